@@ -1,0 +1,127 @@
+"""KV cache with tree commit, for HF causal LMs.
+
+A `DynamicCache` whose layers write into preallocated buffers that grow by
+doubling, instead of concatenating on every forward. After a verify forward the
+cache holds the committed prefix followed by one entry per tree node; `commit`
+keeps only the accepted path's entries (gathered right after the prefix) and
+drops the rest. Nothing is ever re-prefilled.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+
+class _GrowableLayer(DynamicLayer):
+    """A DynamicLayer whose `keys`/`values` are views into a larger buffer."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self._capacity = max(capacity, 16)
+        self._length = 0
+        self._kbuf: torch.Tensor | None = None  # [B, H, C, D]
+        self._vbuf: torch.Tensor | None = None  # [B, H, C, D]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        b, h, _, d = key_states.shape
+        self._kbuf = key_states.new_empty(b, h, self._capacity, d)
+        self._vbuf = value_states.new_empty(b, h, self._capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def _ensure(self, needed: int) -> None:
+        assert self._kbuf is not None and self._vbuf is not None
+        if needed <= self._kbuf.shape[2]:
+            return
+        cap = max(needed, 2 * self._kbuf.shape[2])
+        for name in ("_kbuf", "_vbuf"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
+            new[:, :, : self._length] = old[:, :, : self._length]
+            setattr(self, name, new)
+
+    def _refresh_views(self) -> None:
+        assert self._kbuf is not None and self._vbuf is not None
+        self.keys = self._kbuf[:, :, : self._length]
+        self.values = self._vbuf[:, :, : self._length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        self._ensure(self._length + n)
+        self._kbuf[:, :, self._length : self._length + n] = key_states
+        self._vbuf[:, :, self._length : self._length + n] = value_states
+        self._length += n
+        self._refresh_views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        assert tokens_to_remove <= 0
+        self.truncate(self._length + tokens_to_remove)
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self._length, (length, self._length)
+        self._length = length
+        if self.is_initialized:
+            self._refresh_views()
+
+    def keep(self, start: int, index: torch.Tensor) -> None:
+        """Move entries start+index to start..start+len(index), then drop everything after."""
+        if self.is_initialized and index.numel():
+            src = index + start
+            self._kbuf[:, :, start : start + index.numel()] = self._kbuf.index_select(2, src)
+            self._vbuf[:, :, start : start + index.numel()] = self._vbuf.index_select(2, src)
+        self.truncate(start + index.numel())
+
+
+class TreeKVCache(DynamicCache):
+    """The target's (or a draft model's) KV cache, committed to an accepted tree path."""
+
+    def __init__(self, config: PretrainedConfig, capacity: int = 1024) -> None:
+        super().__init__(config=config)
+        unsupported = sorted({type(layer).__name__ for layer in self.layers if type(layer) is not DynamicLayer})
+        if unsupported:
+            raise ValueError(
+                f"{config.model_type} uses cache layers {unsupported} (sliding-window or linear attention), "
+                "which tree verification cannot roll back; use a model with full attention in every layer"
+            )
+        self.layers = [_GrowableLayer(capacity) for _ in self.layers]
+
+    def __len__(self) -> int:  # number of layers, as DynamicCache defines it
+        return len(self.layers)
+
+    @property
+    def seq_length(self) -> int:
+        return self.get_seq_length()
+
+    def commit(self, prefix_length: int, keep: torch.Tensor) -> None:
+        """Keep entries prefix_length + keep (node indices, in order) right after the prefix; drop the rest.
+
+        keep [K] long: for a verify forward over tree nodes, the accepted path's node indices.
+        """
+        for layer in self.layers:
+            layer.keep(prefix_length, keep)
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache`; accept either spelling.
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(model: torch.nn.Module, cache: TreeKVCache) -> dict:
+    """The keyword arguments that hand `cache` to `model.forward` (with use_cache=True)."""
+    return {_cache_argument(type(model)): cache, "use_cache": True}

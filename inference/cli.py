@@ -1,0 +1,229 @@
+"""`specheads` command line: argv parsing and printing live here, never in the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from specheads.inference.methods import METHODS, MethodOptions
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with a target and a proposer",
+                       description="Generate with speculative decoding (greedy output equals plain greedy decoding).")
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
+    p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
+    p.add_argument("--draft", help="draft model (HF id or folder) or early-exit:N, for --method draft")
+    p.add_argument("--depth", type=int, help="draft depth (tokens per branch)")
+    p.add_argument("--width", type=int, help="root branches (draft) or candidates (ngram)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message; the answer streams to stdout, stats go to stderr")
+    src.add_argument("--questions", type=Path, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
+    p.add_argument("--limit", type=int, help="first N questions only")
+    p.add_argument("--turn", type=int, choices=(1, 2), default=1,
+                   help="2: answer the second turn after the method's own first answer")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--output", type=Path, help="write one JSON object per question to this JSONL file")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    # Heavy imports after argument parsing, so `--help` and usage errors are instant.
+    from tqdm import tqdm
+
+    from specheads.inference.engine import Engine
+    from specheads.inference.methods import check_same_vocabulary, make_proposer
+    from specheads.inference.sampling import SamplingParams
+    from specheads.questions import load_questions
+    from specheads.target import load_target, parse_device, render_chat, stop_token_ids
+
+    if args.method not in METHODS:
+        raise ValueError(f"unknown method {args.method!r}; choose one of: {', '.join(METHODS)}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    parse_device(args.device)
+    questions = load_questions(args.questions, args.limit) if args.questions else None
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        out_file = args.output.open("w", encoding="utf-8")  # fail now, not after minutes of generation
+
+    model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype)
+
+    def load_draft(name: str):
+        draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype)
+        check_same_vocabulary(model, tokenizer, draft, draft_tok)
+        return draft
+
+    opts = MethodOptions(draft=args.draft, depth=args.depth, width=args.width, device=args.device, dtype=args.dtype)
+    engine = Engine(model, make_proposer(args.method, model, opts, load_draft))
+    stops = stop_token_ids(tokenizer, model)
+
+    def answer(turns: list[str], stream: bool):
+        """Answer turns[0] (and then turns[1] when --turn 2), each with the method's own history."""
+        history: list[str] = []
+        result = None
+        for i, user in enumerate(turns[: args.turn]):
+            ids = render_chat(tokenizer, turns[: i + 1], history)
+            printer = _StreamPrinter(tokenizer) if stream and i == args.turn - 1 else None
+            result = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                     stop_token_ids=stops, on_tokens=printer)
+            history.append(tokenizer.decode(result.output_ids, skip_special_tokens=True))
+        return result, history[-1]
+
+    if questions is None:
+        result, text = answer([args.prompt], stream=True)
+        print(file=sys.stdout, flush=True)
+        print(json.dumps(result.stats.to_dict()), file=sys.stderr)
+        if args.output is not None:
+            out_file.write(json.dumps({"question_id": None, "output_ids": result.output_ids, "text": text,
+                                       "stats": result.stats.to_dict()}) + "\n")
+            out_file.close()
+        return
+    if args.turn == 2 and any(len(q.turns) < 2 for q in questions):
+        raise ValueError(f"--turn 2 needs two turns per question; {args.questions} has single-turn questions")
+    taus, speeds = [], []
+    for q in tqdm(questions, desc=f"{args.method}", unit="q", file=sys.stderr):
+        result, text = answer(list(q.turns), stream=False)
+        taus.append(result.stats.tau)
+        speeds.append(result.stats.tokens_per_s)
+        if args.output is not None:
+            out_file.write(json.dumps({"question_id": q.question_id, "output_ids": result.output_ids, "text": text,
+                                       "stats": result.stats.to_dict()}) + "\n")
+            out_file.flush()
+    if args.output is not None:
+        out_file.close()
+    print(f"{args.method}: {len(questions)} questions, mean tau {sum(taus) / len(taus):.3f}, "
+          f"mean {sum(speeds) / len(speeds):.2f} tok/s", file=sys.stderr)
+
+
+class _StreamPrinter:
+    """Prints decoded text as tokens arrive; decodes the whole answer so multi-token characters come out whole."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids.extend(new)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        sys.stdout.write(text[self.shown :])
+        sys.stdout.flush()
+        self.shown = len(text)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="compare methods on the same questions in one run",
+                       description="Run several methods over the same questions, interleaved per question.")
+    p.add_argument("--target", default="default")
+    p.add_argument("--methods", default="ar,hf,ngram", help="comma list: ar, hf, ngram, draft:PATH, draft:early-exit:N")
+    p.add_argument("--questions", type=Path, required=True)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--warmup", type=int, default=1, help="questions run once per method before timing")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--output", type=Path, help="directory for results.jsonl and summary.md")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from tqdm import tqdm
+
+    from specheads.inference.bench import markdown_table, parse_methods, run_bench, summarize
+    from specheads.inference.methods import check_same_vocabulary
+    from specheads.inference.sampling import SamplingParams
+    from specheads.questions import load_questions
+    from specheads.target import load_target, parse_device, render_chat, stop_token_ids
+
+    specs = parse_methods(args.methods)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    parse_device(args.device)
+    questions = load_questions(args.questions, args.limit)
+    if args.output is not None:
+        args.output.mkdir(parents=True, exist_ok=True)
+        results = (args.output / "results.jsonl").open("w", encoding="utf-8")
+    model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype)
+
+    def load_draft(name: str):
+        draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype)
+        check_same_vocabulary(model, tokenizer, draft, draft_tok)
+        return draft
+
+    records = []
+    bar = tqdm(total=len(questions) * len(specs), desc="bench", unit="run", file=sys.stderr)
+    try:
+        for rec in run_bench(model, specs, questions, lambda q: render_chat(tokenizer, [q.turns[0]]),
+                             max_new_tokens=args.max_new_tokens, sampling=sampling,
+                             stop_token_ids=stop_token_ids(tokenizer, model), load_draft=load_draft,
+                             warmup=args.warmup):
+            records.append(rec)
+            bar.update(1)
+            if args.output is not None:
+                results.write(json.dumps({"question_id": rec.question_id, "category": rec.category,
+                                          "method": rec.method, "output_ids": rec.output_ids,
+                                          "stats": rec.stats.to_dict()}) + "\n")
+                results.flush()
+    except KeyboardInterrupt:
+        print("interrupted: summarising the runs that finished", file=sys.stderr)
+    finally:
+        bar.close()
+    summaries = summarize(records, greedy=sampling.greedy)
+    table = markdown_table(summaries)
+    print(table)
+    for rec in records:
+        if rec.matches_ar is False:
+            print(f"mismatch: {rec.method} question {rec.question_id} differs from ar at token {rec.first_mismatch}",
+                  file=sys.stderr)
+    if args.output is not None:
+        results.close()
+        (args.output / "summary.md").write_text(table + "\n", encoding="utf-8")
+        (args.output / "summary.json").write_text(json.dumps([asdict(s) for s in summaries], indent=2), encoding="utf-8")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specheads", description="Speculative-decoding drafters for a frozen target LLM.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"specheads {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Method names -> proposers: the one place that knows which proposer backs `--method`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from specheads.inference.proposers.base import AutoregressiveProposer, Proposer
+from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model, vocab_size
+from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    draft: str | None = None  # draft model path / id, or "early-exit:N"
+    depth: int | None = None  # draft depth (proposer default when None)
+    width: int | None = None  # branches at the root for `draft`, candidates for `ngram`
+    device: str = "cpu"
+    dtype: str = "auto"
+
+
+# Loads a draft model and checks it shares the target's vocabulary; injected so this module needs no target I/O.
+DraftLoader = Callable[[str], PreTrainedModel]
+
+
+def _ar(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
+    return AutoregressiveProposer()
+
+
+def _ngram(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
+    cfg = NgramConfig()
+    overrides = {}
+    if opts.depth is not None:
+        overrides["depth"] = opts.depth
+    if opts.width is not None:
+        overrides["num_candidates"] = opts.width
+    return NgramProposer(NgramConfig(**{**cfg.__dict__, **overrides}))
+
+
+def _draft(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
+    if not opts.draft:
+        raise ValueError("method 'draft' needs --draft PATH (a causal LM with the target's vocabulary) or --draft early-exit:N")
+    if opts.draft.startswith("early-exit:"):
+        n = opts.draft.split(":", 1)[1]
+        if not n.isdigit():
+            raise ValueError(f"--draft {opts.draft}: N must be a layer count, e.g. early-exit:8")
+        model = early_exit_model(target, int(n))
+    else:
+        model = load_draft(opts.draft)
+    cfg = DraftConfig(depth=opts.depth or DraftConfig.depth, width=opts.width or DraftConfig.width)
+    return DraftModelProposer(model, cfg, target_vocab_size=vocab_size(target))
+
+
+METHODS: dict[str, Callable[[PreTrainedModel, MethodOptions, DraftLoader], Proposer]] = {
+    "ar": _ar,
+    "ngram": _ngram,
+    "draft": _draft,
+}
+
+
+def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer) -> None:
+    """A draft must map token ids to the same strings as the target, or its guesses mean nothing."""
+    if vocab_size(draft) != vocab_size(target):
+        raise ValueError(
+            f"the draft model's vocabulary has {vocab_size(draft)} tokens but the target's has {vocab_size(target)}; "
+            "use a draft model from the target's family (same tokenizer)"
+        )
+    if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "
+                         "use a draft model from the target's family")
+
+
+def make_proposer(method: str, target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    return METHODS[method](target, opts, load_draft)

@@ -1,0 +1,56 @@
+"""The one interface every proposer implements, so the engine never branches on type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specheads.inference.sampling import SamplingParams
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+
+
+@dataclass(frozen=True)
+class ProposalContext:
+    tokens: torch.Tensor  # [T] long on CPU; prompt + committed output; tokens[-1] is the next tree root
+    num_prompt_tokens: int
+    max_depth: int  # deepest draft worth proposing (remaining new tokens / context room, minus the bonus)
+    sampling: SamplingParams
+    generator: torch.Generator | None  # on the proposer's device, seeded from the sampling params
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Drafts a tree of tokens rooted at the last committed token.
+
+    `start` is called once per generation after the prompt prefill, `propose` once per
+    step, and `on_verified` after the target has verified the tree. When
+    `needs_target_hidden` is set, both receive the target's hidden states (HF
+    `hidden_states`: one [1, n, H] tensor per layer, embeddings first) over the
+    prefilled prompt and over the tree nodes respectively; otherwise None.
+    """
+
+    needs_target_hidden: bool
+
+    def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None: ...
+
+    def propose(self, ctx: ProposalContext) -> DraftTree: ...
+
+    def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None: ...
+
+
+class AutoregressiveProposer:
+    """`ar`: proposes nothing, so each step is one plain target forward in the same engine."""
+
+    needs_target_hidden = False
+
+    def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        pass
+
+    def propose(self, ctx: ProposalContext) -> DraftTree:
+        return DraftTree.root_only(ctx.tokens[-1])
+
+    def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        pass

@@ -1,0 +1,169 @@
+"""`draft`: a smaller causal LM with the target's vocabulary drafts a chain or a top-k tree.
+
+The draft model keeps its own KV cache. Each step it first catches up on the
+committed tokens it has not seen (always including the new root), then drafts
+depth by depth: `width` tokens at the root (top-k when greedy, sampled without
+replacement otherwise), then one token per branch per level, all branches in one
+forward with a tree mask. After verification its cache is committed to the
+accepted path, like the target's, so nothing is recomputed.
+
+`early_exit_model` builds the self-drafter `early-exit:N`: the target's first N
+layers with its final norm and LM head, sharing the target's weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from specheads.inference.cache import TreeKVCache, cache_kwargs
+from specheads.inference.proposers.base import ProposalContext
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    depth: int = 4  # draft tokens per branch
+    width: int = 1  # branches at the root; 1 drafts a chain
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.width < 1:
+            raise ValueError(f"draft depth and width must be >= 1, got depth={self.depth}, width={self.width}")
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+class DraftModelProposer:
+    """Drafts with any HF causal LM that shares the target's vocabulary."""
+
+    needs_target_hidden = False
+
+    def __init__(self, model: PreTrainedModel, config: DraftConfig = DraftConfig(),
+                 target_vocab_size: int | None = None) -> None:
+        if target_vocab_size is not None and vocab_size(model) != target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary has {vocab_size(model)} tokens but the target's has "
+                f"{target_vocab_size}; use a draft model from the target's family (same tokenizer)"
+            )
+        self.model = model.eval()
+        self.config = config
+        self.device = next(model.parameters()).device
+        self._cache: TreeKVCache | None = None
+        self._n_cached = 0  # committed tokens already in the draft cache
+        self._fed: list[int] = []  # tree nodes whose KV entries follow the root in the draft cache, in order
+
+    def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        capacity = ctx.tokens.shape[0] + ctx.max_depth + self.config.width * self.config.depth + 16
+        self._cache = TreeKVCache(self.model.config, capacity=capacity)
+        self._n_cached = 0
+        self._fed = []
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        assert self._cache is not None, "start() must be called before propose()"
+        out = self.model(**cache_kwargs(self.model, self._cache), input_ids=tokens[None].to(self.device),
+                         position_ids=positions[None].to(self.device), attention_mask=mask, logits_to_keep=tokens.shape[0])
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposalContext) -> DraftTree:
+        """1. Catch up on unseen committed tokens. 2. Pick `width` root children. 3. Extend each branch greedily
+        (or by sampling) one level per forward, up to `depth`."""
+        assert self._cache is not None, "start() must be called before propose()"
+        total = ctx.tokens.shape[0]
+        depth = min(self.config.depth, ctx.max_depth)
+        pending = ctx.tokens[self._n_cached :]
+        logits = self._forward(pending, torch.arange(self._n_cached, total), None)[-1:]  # [1, V]
+        self._n_cached = total
+        self._fed = []
+        root = int(ctx.tokens[-1])
+        if depth < 1:
+            return DraftTree.root_only(root)
+
+        sampling, gen = ctx.sampling, ctx.generator
+        width = min(self.config.width, logits.shape[-1])
+        tokens, parents = [root], [-1]
+        rows: list[torch.Tensor] = []  # draft distributions, one per node that got children
+        if sampling.greedy:
+            first = logits[0].topk(width).indices
+        else:
+            q = sampling.probs(logits[0])
+            first = torch.multinomial(q, width, replacement=False, generator=gen)
+            rows.append(q)
+        tokens += first.tolist()
+        parents += [0] * width
+        leaves = list(range(1, width + 1))
+        for level in range(2, depth + 1):
+            # Feed the current leaves: each sees the prefix, the root and its own branch.
+            partial = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
+            cols = self._fed + leaves
+            mask = None
+            if width > 1:
+                dtype = self.model.dtype
+                mask = torch.zeros(1, 1, len(leaves), total + len(cols), dtype=dtype, device=self.device)
+                seen = partial.ancestors[leaves][:, cols].to(self.device)
+                mask[0, 0, :, total:].masked_fill_(~seen, torch.finfo(dtype).min)
+            positions = torch.full((len(leaves),), total - 1 + level - 1)
+            logits = self._forward(torch.tensor([tokens[i] for i in leaves]), positions, mask)  # [W, V]
+            self._fed = cols
+            if sampling.greedy:
+                nxt = logits.argmax(dim=-1)
+            else:
+                q = sampling.probs(logits)
+                nxt = torch.multinomial(q, 1, generator=gen).squeeze(1)
+                rows.extend(q.unbind(0))
+            new_leaves = []
+            for leaf, tok in zip(leaves, nxt.tolist()):
+                new_leaves.append(len(tokens))
+                tokens.append(tok)
+                parents.append(leaf)
+            leaves = new_leaves
+
+        draft_probs = None
+        if not sampling.greedy:
+            # Rows follow node order: root, then each level's branch parents; leaves drew nothing.
+            draft_probs = torch.zeros(len(tokens), rows[0].shape[-1], device=rows[0].device)
+            owners = [0] + [i for i in range(1, len(tokens)) if i not in leaves]
+            draft_probs[owners] = torch.stack(rows)
+        return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), draft_probs=draft_probs)
+
+    def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        """Keep the draft cache entries of the accepted nodes it has already computed."""
+        assert self._cache is not None
+        slot = {node: i for i, node in enumerate(self._fed)}
+        keep: list[int] = []
+        for node in result.path[1:].tolist():
+            if node not in slot:
+                break
+            keep.append(slot[node])
+        root_end = self._n_cached  # the root's entry is the last committed one
+        self._cache.commit(root_end, torch.tensor(keep, dtype=torch.long, device=self.device))
+        self._n_cached = root_end + len(keep)
+        self._fed = []
+
+
+_LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
+    """The target's first `num_layers` decoder layers + its final norm and LM head, sharing its weights."""
+    text_config = target.config.get_text_config()
+    total = text_config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"early-exit:N needs 1 <= N < {total} (the target's layer count), got N={num_layers}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype, attn_implementation=target.config._attn_implementation)
+    state = {k: v for k, v in target.state_dict().items()
+             if (m := _LAYER_KEY.search(k)) is None or int(m.group(2)) < num_layers}
+    missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
+    assert not unexpected and all("rotary" in k or k.endswith("lm_head.weight") for k in missing), (missing, unexpected)
+    return draft.to(next(target.parameters()).device).eval().requires_grad_(False)

@@ -1,0 +1,102 @@
+"""`ngram`: prompt lookup over prompt + generated text, several continuations as one tree.
+
+The last n tokens (n from max_ngram down to min_ngram) are looked up in the
+context; the tokens that followed each earlier occurrence, most recent first,
+become candidate continuations, merged into a trie (shared prefixes share nodes)
+so all candidates are verified in one target forward. When nothing matches the
+tree is just the root, i.e. a plain autoregressive step: no verify cost is paid
+for an empty guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specheads.inference.proposers.base import ProposalContext
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    max_ngram: int = 3
+    min_ngram: int = 1
+    num_candidates: int = 3  # continuations merged into the tree
+    depth: int = 5  # tokens per continuation
+    max_nodes: int = 12  # draft nodes per tree (root excluded); bounds the verify cost
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.num_candidates < 1 or self.depth < 1 or self.max_nodes < 1:
+            raise ValueError("num_candidates, depth and max_nodes must all be >= 1")
+
+
+def find_continuations(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> list[list[int]]:
+    """Distinct continuations of the context's last n-gram, longest n first, most recent match first.
+
+    tokens [T] long (CPU). A continuation is up to `depth` tokens that followed an
+    earlier occurrence of the last n tokens.
+    """
+    total = tokens.shape[0]
+    found: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for n in range(min(cfg.max_ngram, total - 1), cfg.min_ngram - 1, -1):
+        tail = tokens[total - n :]
+        windows = tokens[: total - 1].unfold(0, n, 1)  # [T-n, n]; excludes the tail itself
+        starts = ((windows == tail).all(dim=1)).nonzero().squeeze(1) + n  # where continuations begin
+        for start in starts.flip(0).tolist():
+            cont = tokens[start : start + depth].tolist()
+            key = tuple(cont)
+            if not cont or key in seen or any(key == s[: len(key)] for s in seen):
+                continue  # a prefix of a known continuation adds no node
+            seen.add(key)
+            found.append(cont)
+            if len(found) == cfg.num_candidates:
+                return found
+    return found
+
+
+def build_trie(root: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:
+    """Merge continuations into a tree under `root`, in order, up to max_nodes draft nodes."""
+    tokens = [root]
+    parents = [-1]
+    child_of: dict[tuple[int, int], int] = {}
+    for cont in continuations:
+        node = 0
+        for tok in cont:
+            nxt = child_of.get((node, tok))
+            if nxt is None:
+                if len(tokens) - 1 >= max_nodes:
+                    break
+                nxt = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                child_of[(node, tok)] = nxt
+            node = nxt
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+
+
+class NgramProposer:
+    """Multi-candidate prompt lookup; deterministic drafts, so exact under greedy and sampling."""
+
+    needs_target_hidden = False
+
+    def __init__(self, config: NgramConfig = NgramConfig()) -> None:
+        self.config = config
+
+    def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        pass
+
+    def propose(self, ctx: ProposalContext) -> DraftTree:
+        depth = min(self.config.depth, ctx.max_depth)
+        root = int(ctx.tokens[-1])
+        if depth < 1:
+            return DraftTree.root_only(root)
+        conts = find_continuations(ctx.tokens, self.config, depth)
+        return build_trie(root, conts, self.config.max_nodes)
+
+    def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        pass

@@ -1,0 +1,95 @@
+"""The draft tree: what every proposer returns and what the target verifies.
+
+Node 0 is the root: the last committed token, which is not yet in the target's
+KV cache. Nodes are in topological order (a parent comes before its children),
+and siblings are distinct tokens. A chain is a tree with one child per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [N] long; tokens[0] is the root
+    parents: torch.Tensor  # [N] long; parents[0] == -1, parents[i] < i
+    # Row i is the distribution node i's children were drawn from, without replacement, in child order.
+    # None means the children were chosen deterministically (argmax, top-k, lookup): the verifier then
+    # treats each child's draft distribution as one-hot, which keeps acceptance exact.
+    draft_probs: torch.Tensor | None = None  # [N, V] fp32
+    depths: torch.Tensor = field(init=False)  # [N] long; root has depth 0
+    ancestors: torch.Tensor = field(init=False)  # [N, N] bool; ancestors[i, j]: j is i or an ancestor of i
+    children: tuple[tuple[int, ...], ...] = field(init=False)  # per node, its children in draft order
+
+    def __post_init__(self) -> None:
+        parents = self.parents.tolist()
+        n = len(parents)
+        assert self.tokens.shape == (n,), (self.tokens.shape, n)
+        assert n >= 1 and parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i > 0)
+        depths = [0] * n
+        anc = torch.eye(n, dtype=torch.bool)
+        kids: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            p = parents[i]
+            depths[i] = depths[p] + 1
+            anc[i] |= anc[p]
+            kids[p].append(i)
+        device = self.tokens.device
+        object.__setattr__(self, "depths", torch.tensor(depths, dtype=torch.long, device=device))
+        object.__setattr__(self, "ancestors", anc.to(device))
+        object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
+        if self.draft_probs is not None:
+            assert self.draft_probs.shape[0] == n, (self.draft_probs.shape, n)
+
+    @classmethod
+    def root_only(cls, token: int | torch.Tensor, device: torch.device | str = "cpu") -> DraftTree:
+        """The tree of a plain autoregressive step: just the last committed token."""
+        tok = torch.as_tensor([int(token)], dtype=torch.long, device=device)
+        return cls(tokens=tok, parents=torch.tensor([-1], dtype=torch.long, device=device))
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A chain root -> tokens[1] -> tokens[2] ...; tokens [N] include the root."""
+        n = tokens.shape[0]
+        parents = torch.arange(-1, n - 1, dtype=torch.long, device=tokens.device)
+        return cls(tokens=tokens, parents=parents, draft_probs=draft_probs)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_drafted(self) -> int:
+        return self.size - 1
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    @property
+    def is_chain(self) -> bool:
+        return all(len(k) <= 1 for k in self.children)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, inclusive."""
+        path = []
+        parents = self.parents.tolist()
+        while node != -1:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    def truncated(self, max_depth: int) -> DraftTree:
+        """The subtree of nodes at depth <= max_depth (keeps topological order)."""
+        if self.max_depth <= max_depth:
+            return self
+        keep = (self.depths <= max_depth).nonzero().squeeze(1)
+        remap = torch.full((self.size,), -1, dtype=torch.long, device=self.tokens.device)
+        remap[keep] = torch.arange(keep.shape[0], device=self.tokens.device)
+        old_parents = self.parents[keep]
+        new_parents = torch.where(old_parents >= 0, remap[old_parents.clamp(min=0)], old_parents)
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return DraftTree(tokens=self.tokens[keep], parents=new_parents, draft_probs=probs)

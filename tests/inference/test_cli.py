@@ -1,0 +1,132 @@
+"""`specheads generate` / `bench` end to end on a tiny saved target, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specheads.inference.cli import main
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w8 w5 w6", "w9 w10"]},
+    {"question_id": 2, "category": "coding", "turns": ["w20 w21 w22 w20 w21", "w11"]},
+]
+
+
+@pytest.fixture
+def questions_file(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("method,extra", [("ar", []), ("ngram", []), ("draft", ["--draft", "early-exit:2"])])
+def test_generate_questions_writes_jsonl(tiny_model_dir, questions_file, tmp_path, capsys, method, extra):
+    out_path = tmp_path / "out.jsonl"
+    code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--method", method, *extra,
+                            "--questions", str(questions_file), "--max-new-tokens", "12", "--output", str(out_path)], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert [r["question_id"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(r) == {"question_id", "output_ids", "text", "stats"}
+        assert {"new_tokens", "steps", "drafted", "accepted", "tau", "accept_per_position", "wall_s",
+                "tokens_per_s", "ttft_s"} <= set(r["stats"])
+        assert r["stats"]["new_tokens"] == len(r["output_ids"]) > 0
+
+
+def test_same_greedy_output_for_every_method(tiny_model_dir, questions_file, tmp_path, capsys):
+    outputs = {}
+    for method, extra in [("ar", []), ("ngram", []), ("draft", ["--draft", "early-exit:1"])]:
+        out_path = tmp_path / f"{method}.jsonl"
+        assert main(["generate", "--target", str(tiny_model_dir), "--method", method, *extra, "--questions",
+                     str(questions_file), "--turn", "2", "--max-new-tokens", "10", "--output", str(out_path)]) == 0
+        outputs[method] = [json.loads(line)["output_ids"] for line in out_path.read_text().splitlines()]
+    assert outputs["ar"] == outputs["ngram"] == outputs["draft"]
+
+
+def test_prompt_streams_text_and_prints_stats(tiny_model_dir, capsys):
+    code, out, err = run_cli(["generate", "--target", str(tiny_model_dir), "--prompt", "w5 w6 w7",
+                              "--max-new-tokens", "8", "--temperature", "0.8", "--seed", "1"], capsys)
+    assert code == 0
+    assert out.strip().startswith("w")
+    stats = json.loads(err.strip().splitlines()[-1])
+    assert stats["new_tokens"] >= 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "medusa9"], "unknown method 'medusa9'"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--method", "draft"], "needs --draft"),
+    (["--method", "draft", "--draft", "early-exit:x"], "early-exit:8"),
+])
+def test_bad_arguments_give_one_clear_line(tiny_model_dir, capsys, args, message):
+    code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--prompt", "w5", "--max-new-tokens", "4",
+                            *args], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert message in lines[-1] and lines[-1].startswith("specheads generate: error:")
+
+
+def test_bad_questions_file_names_the_line(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(QUESTIONS[0]) + "\n{not json\n")
+    code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--questions", str(bad),
+                            "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "bad.jsonl:2" in err
+    code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--questions", str(tmp_path / "none.jsonl"),
+                            "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path, capsys):
+    from tests.conftest import tiny_model, tiny_tokenizer
+
+    other = tmp_path / "other-vocab"
+    tiny_model("llama", vocab=80).save_pretrained(other)
+    tiny_tokenizer(80).save_pretrained(other)
+    code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--method", "draft", "--draft", str(other),
+                            "--prompt", "w5", "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "vocabulary has 80 tokens but the target's has 96" in err
+
+
+def test_prompt_longer_than_context_is_an_error_not_a_truncation(tiny_model_dir, capsys):
+    long_prompt = " ".join(["w5"] * 300)  # tiny target holds 256 positions
+    code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--prompt", long_prompt,
+                            "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "context holds 256" in err
+
+
+def test_bench_compares_methods_in_one_run(tiny_model_dir, questions_file, tmp_path, capsys):
+    out_dir = tmp_path / "bench"
+    code, out, err = run_cli(["bench", "--target", str(tiny_model_dir), "--methods", "ar,hf,ngram,draft:early-exit:2",
+                              "--questions", str(questions_file), "--max-new-tokens", "10", "--warmup", "0",
+                              "--output", str(out_dir)], capsys)
+    assert code == 0, err
+    assert "| ar |" in out and "| hf |" in out and "| draft:early-exit:2 |" in out
+    assert "2/2" in out  # every greedy method reproduced ar on both questions
+    assert "mismatch" not in err
+    rows = [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4
+    summary = json.loads((out_dir / "summary.json").read_text())
+    ngram = next(s for s in summary if s["method"] == "ngram")
+    taus = [r["stats"]["tau"] for r in rows if r["method"] == "ngram"]
+    assert ngram["tau"] == pytest.approx(sum(taus) / len(taus), abs=1e-3)
+
+
+def test_console_script_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "specheads.inference.cli", "generate", "--prompt", "x",
+                           "--max-new-tokens", "4", "--method", "nope"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown method 'nope'" in proc.stderr

@@ -1,0 +1,1 @@
+"""Training recipes for drafters (written against Accelerate)."""
