@@ -1,7 +1,7 @@
 """Methods side by side on the same questions, interleaved per question so machine drift hits all alike.
 
-Method specs: `ar`, `hf` (transformers `generate`), `ngram`, `draft:PATH` or
-`draft:early-exit:N`. Every method answers the same rendered prompt; for greedy
+Method specs: `ar`, `hf` (transformers `generate`), `ngram`, `draft:PATH`,
+`draft:early-exit:N`, `eagle:HEADS_DIR`, `medusa:HEADS_DIR`. Every method answers the same rendered prompt; for greedy
 runs each output is compared with `ar`'s (the exactness check).
 """
 
@@ -28,7 +28,7 @@ BASELINES = ("hf",)
 class MethodSpec:
     name: str  # as given, e.g. "draft:early-exit:8"
     method: str  # "ar", "hf", "ngram", "draft", ...
-    draft: str | None = None
+    arg: str | None = None  # draft model for draft, heads folder for medusa/eagle
 
 
 def parse_methods(spec: str) -> list[MethodSpec]:
@@ -40,9 +40,9 @@ def parse_methods(spec: str) -> list[MethodSpec]:
         method, _, arg = name.partition(":")
         if method not in METHODS and method not in BASELINES:
             raise ValueError(f"unknown method {method!r} in --methods; valid: {', '.join([*METHODS, *BASELINES])}")
-        if method == "draft" and not arg:
-            raise ValueError("draft needs a model: draft:PATH or draft:early-exit:N")
-        out.append(MethodSpec(name=name, method=method, draft=arg or None))
+        if method in ("draft", "eagle", "medusa") and not arg:
+            raise ValueError(f"{method} needs a path: {method}:PATH" + (" or draft:early-exit:N" if method == "draft" else ""))
+        out.append(MethodSpec(name=name, method=method, arg=arg or None))
     if not out:
         raise ValueError("--methods is empty; e.g. --methods ar,hf,ngram")
     return out
@@ -116,7 +116,8 @@ def run_bench(
         if spec.method == "hf":
             runners[spec.name] = _HFGenerate(target)
         else:
-            proposer = make_proposer(spec.method, target, MethodOptions(draft=spec.draft), load_draft)
+            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg)
+            proposer = make_proposer(spec.method, target, opts, load_draft)
             runners[spec.name] = Engine(target, proposer)
 
     def run(name: str, prompt: list[int]) -> tuple[list[int], GenerationStats]:
@@ -161,7 +162,7 @@ def summarize(records: list[Record], greedy: bool) -> list[MethodSummary]:
     for m in methods:
         rs = [per[m] for per in by_q.values() if m in per]
 
-        def ratio(base: str) -> float | None:
+        def ratio(base: str, m: str = m) -> float | None:
             vals = [per[m].stats.tokens_per_s / per[base].stats.tokens_per_s
                     for per in by_q.values() if m in per and base in per and per[base].stats.tokens_per_s > 0]
             return statistics.median(vals) if vals else None

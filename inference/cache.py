@@ -9,12 +9,11 @@ drops the rest. Nothing is ever re-prefilled.
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
+
+from specheads.hf import cache_kwargs  # noqa: F401  (re-exported: the engine's entry point for it)
 
 
 class _GrowableLayer(DynamicLayer):
@@ -114,14 +113,3 @@ class TreeKVCache(DynamicCache):
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.truncate(length)
-
-
-@functools.cache
-def _cache_argument(model_class: type) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache`; accept either spelling.
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def cache_kwargs(model: torch.nn.Module, cache: TreeKVCache) -> dict:
-    """The keyword arguments that hand `cache` to `model.forward` (with use_cache=True)."""
-    return {_cache_argument(type(model)): cache, "use_cache": True}

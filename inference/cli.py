@@ -17,7 +17,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
     p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
     p.add_argument("--draft", help="draft model (HF id or folder) or early-exit:N, for --method draft")
-    p.add_argument("--depth", type=int, help="draft depth (tokens per branch)")
+    p.add_argument("--heads", help="trained heads folder, for --method medusa|eagle (e.g. runs/eagle/final)")
+    p.add_argument("--depth", type=int, help="draft depth (tokens per branch / tree levels)")
+    p.add_argument("--topk", type=int, help="eagle: children per expanded node")
+    p.add_argument("--total-tokens", type=int, help="eagle: tree size including the root")
+    p.add_argument("--tree", help="medusa: tree preset name or YAML/JSON file of paths")
     p.add_argument("--width", type=int, help="root branches (draft) or candidates (ngram)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the answer streams to stdout, stats go to stderr")
@@ -64,7 +68,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         check_same_vocabulary(model, tokenizer, draft, draft_tok)
         return draft
 
-    opts = MethodOptions(draft=args.draft, depth=args.depth, width=args.width, device=args.device, dtype=args.dtype)
+    opts = MethodOptions(draft=args.draft, heads=args.heads, depth=args.depth, width=args.width, tree=args.tree,
+                         topk=args.topk, total_tokens=args.total_tokens, device=args.device, dtype=args.dtype)
     engine = Engine(model, make_proposer(args.method, model, opts, load_draft))
     stops = stop_token_ids(tokenizer, model)
 
@@ -72,7 +77,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         """Answer turns[0] (and then turns[1] when --turn 2), each with the method's own history."""
         history: list[str] = []
         result = None
-        for i, user in enumerate(turns[: args.turn]):
+        for i in range(args.turn):
             ids = render_chat(tokenizer, turns[: i + 1], history)
             printer = _StreamPrinter(tokenizer) if stream and i == args.turn - 1 else None
             result = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,

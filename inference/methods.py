@@ -8,13 +8,22 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from specheads.inference.proposers.base import AutoregressiveProposer, Proposer
-from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model, vocab_size
+from specheads.inference.proposers.draft_model import (
+    DraftConfig,
+    DraftModelProposer,
+    early_exit_model,
+    vocab_size,
+)
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 
 
 @dataclass(frozen=True)
 class MethodOptions:
     draft: str | None = None  # draft model path / id, or "early-exit:N"
+    heads: str | None = None  # trained heads folder (medusa, eagle)
+    tree: str | None = None  # tree preset / file for medusa
+    topk: int | None = None  # eagle: children per expanded node
+    total_tokens: int | None = None  # eagle: tree size including the root
     depth: int | None = None  # draft depth (proposer default when None)
     width: int | None = None  # branches at the root for `draft`, candidates for `ngram`
     device: str = "cpu"
@@ -53,10 +62,36 @@ def _draft(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader
     return DraftModelProposer(model, cfg, target_vocab_size=vocab_size(target))
 
 
+def _eagle(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
+    import torch
+
+    from specheads.heads.eagle import EagleHead
+    from specheads.inference.proposers.eagle import EagleProposer, EagleTreeConfig
+
+    if not opts.heads:
+        raise ValueError("method 'eagle' needs --heads DIR (the final/ folder of an eagle training run)")
+    head = EagleHead.from_pretrained(opts.heads, target)
+    defaults = EagleTreeConfig()
+    tree = EagleTreeConfig(depth=opts.depth or defaults.depth, topk=opts.topk or defaults.topk,
+                           total_tokens=opts.total_tokens or defaults.total_tokens)
+    vocab = head.saved_config.get("draft_vocab")
+    return EagleProposer(head, tree, draft_vocab=None if vocab is None else torch.tensor(vocab, dtype=torch.long))
+
+
+def _medusa(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
+    from specheads.inference.proposers.medusa import load_medusa_proposer
+
+    if not opts.heads:
+        raise ValueError("method 'medusa' needs --heads DIR (the final/ folder of a medusa training run)")
+    return load_medusa_proposer(opts.heads, target, tree=opts.tree, max_depth=opts.depth)
+
+
 METHODS: dict[str, Callable[[PreTrainedModel, MethodOptions, DraftLoader], Proposer]] = {
     "ar": _ar,
     "ngram": _ngram,
     "draft": _draft,
+    "eagle": _eagle,
+    "medusa": _medusa,
 }
 
 

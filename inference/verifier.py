@@ -46,7 +46,7 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
        (the first in node order on ties, i.e. the proposer's preferred branch).
     4. The bonus is the argmax at that node.
     """
-    argmax = target_logits.argmax(dim=-1)  # [N]
+    argmax = target_logits.argmax(dim=-1).to(tree.tokens.device)  # [N]; one small copy when logits live on a GPU
     match = torch.ones_like(tree.tokens, dtype=torch.bool)
     match[1:] = tree.tokens[1:] == argmax[tree.parents[1:]]
     accepted = ~(tree.ancestors & ~match[None, :]).any(dim=1)  # [N]
@@ -85,7 +85,7 @@ def verify_stochastic(
         accepted_child = -1
         depth = len(path) - 1
         for j, child in enumerate(kids):
-            x = tree.tokens[child]
+            x = int(tree.tokens[child])
             px = p[x]
             qx = q[x] if q is not None else torch.ones((), device=p.device)
             if qx > 0 and uniforms[depth, j] * qx < px:  # u < p/q without dividing by zero
@@ -103,7 +103,7 @@ def verify_stochastic(
             # above, so only rounding reaches here: fall back to the target row.
             p = p / total if total > 0 else target_probs[node]
         if accepted_child < 0:
-            out.append(sample(p, generator).reshape(1))
+            out.append(sample(p, generator).reshape(1).to(tree.tokens.device))
             break
         node = accepted_child
         path.append(node)

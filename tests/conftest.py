@@ -80,3 +80,13 @@ def tiny_model_dir(tmp_path_factory):
     tiny_model("llama").save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip cleanly on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -22,7 +22,7 @@ from specheads.inference.verifier import VerifyResult
 @dataclass(frozen=True)
 class NgramConfig:
     max_ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2  # 1-gram matches are mostly noise: their verify costs more than they win
     num_candidates: int = 3  # continuations merged into the tree
     depth: int = 5  # tokens per continuation
     max_nodes: int = 12  # draft nodes per tree (root excluded); bounds the verify cost

@@ -1,0 +1,135 @@
+"""`medusa`: Medusa heads draft a static top-k tree from the target's last hidden state.
+
+After each verify forward the heads read the hidden state of the last accepted node
+(whose LM-head prediction is the bonus token, i.e. the next root); head k's top
+choices become the candidates at depth k + 1 of the next tree. The tree's shape is a
+fixed list of paths (see `specheads.trees`), so all index bookkeeping is done once
+here and each step only gathers token ids. Drafts are deterministic top-k, so
+`draft_probs` stays None and verification is exact for greedy and sampling alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import torch
+from torch import nn
+
+from specheads.heads.medusa import MedusaHeads
+from specheads.inference.proposers.base import ProposalContext
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+from specheads.trees import prune_depth, resolve_tree, tree_depth, validate_tree
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TREE = "medusa-16"
+
+
+class MedusaProposer:
+    """Drafts a static tree of Medusa heads' top-k tokens; needs the target's hidden states."""
+
+    needs_target_hidden = True
+
+    def __init__(self, heads: MedusaHeads, tree: list[list[int]]) -> None:
+        """Pre-compute the tree once.
+
+        1. Sort the paths breadth-first: node i + 1 is path i, parents come before children.
+        2. Each step the heads' top-k ids form a [D, k_max] table (D = tree depth); path p's
+           token sits at flat index (len(p) - 1) * k_max + p[-1], so one gather fills the tree.
+        3. For every depth cap d the tree keeps a prefix of the nodes (breadth-first order);
+           a template DraftTree per cap carries the parents/ancestors, built on first use.
+        """
+        paths = validate_tree(tree)
+        depth = tree_depth(paths)
+        if depth > heads.num_heads:
+            raise ValueError(f"the tree is {depth} deep but the checkpoint has {heads.num_heads} medusa heads; "
+                             f"use a tree at most {heads.num_heads} deep (a tree file with fewer levels) or heads trained with more")
+        self.heads = heads.eval()
+        self.paths = paths
+        self.depth = depth
+        self.k_max = max(p[-1] for p in paths) + 1
+        vocab = heads.config.vocab_size
+        if self.k_max > vocab:
+            raise ValueError(f"the tree asks for choice {self.k_max - 1} but the vocabulary has {vocab} tokens; use a narrower tree")
+        node_of = {(): 0}
+        parents = [-1]
+        for i, p in enumerate(paths):
+            node_of[tuple(p)] = i + 1
+            parents.append(node_of[tuple(p[:-1])])
+        self._parents = torch.tensor(parents, dtype=torch.long)
+        self._gather = torch.tensor([(len(p) - 1) * self.k_max + p[-1] for p in paths], dtype=torch.long)
+        # Nodes kept under a depth cap d: 1 (root) + paths no longer than d; a prefix thanks to BFS order.
+        self._kept = [1 + sum(len(p) <= d for p in paths) for d in range(depth + 1)]
+        self._templates: dict[int, DraftTree] = {}
+        self._topk: torch.Tensor | None = None  # [D * k_max] long on CPU; None until a hidden state is seen
+
+    @torch.inference_mode()
+    def _read(self, hidden: torch.Tensor) -> None:  # hidden: [H], the target's last-layer state of one position
+        logits = self.heads(hidden.reshape(1, 1, -1), num_heads=self.depth)[:, 0, 0]  # [D, V]
+        self._topk = logits.topk(self.k_max, dim=-1).indices.flatten().cpu()  # [D * k_max]
+
+    def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        # The prefill covers prompt[:-1]: its last state precedes the root (prompt[-1]), exactly as the
+        # last accepted node precedes the bonus token after a verify step.
+        self._topk = None
+        if target_hidden is not None:
+            self._read(target_hidden[-1][0, -1])
+
+    def propose(self, ctx: ProposalContext) -> DraftTree:
+        root = ctx.tokens[-1]
+        cap = min(self.depth, ctx.max_depth)
+        if self._topk is None or cap < 1:
+            return DraftTree.root_only(root)
+        n = self._kept[cap]
+        tokens = torch.cat([root.reshape(1).to(torch.long), self._topk[self._gather[: n - 1]]])  # [n]
+        return self._with_tokens(self._template(cap), tokens)
+
+    def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        assert target_hidden is not None, "the engine must pass hidden states when needs_target_hidden is set"
+        self._read(target_hidden[-1][0, int(result.path[-1])])
+
+    def _template(self, cap: int) -> DraftTree:
+        tree = self._templates.get(cap)
+        if tree is None:
+            n = self._kept[cap]
+            tree = DraftTree(tokens=torch.zeros(n, dtype=torch.long), parents=self._parents[:n].clone())
+            self._templates[cap] = tree
+        return tree
+
+    @staticmethod
+    def _with_tokens(template: DraftTree, tokens: torch.Tensor) -> DraftTree:
+        """The template's structure with new token ids, skipping DraftTree's per-node Python set-up.
+
+        copy.copy restores the instance dict without calling __init__, so the derived fields
+        (depths, ancestors, children) are shared with the template; they are never mutated.
+        """
+        assert tokens.shape == template.tokens.shape, (tokens.shape, template.tokens.shape)
+        tree = copy.copy(template)
+        object.__setattr__(tree, "tokens", tokens)
+        return tree
+
+
+def load_medusa_proposer(path: str | os.PathLike, target_model: nn.Module, tree: str | None = None,
+                         max_depth: int | None = None) -> MedusaProposer:
+    """Medusa heads from a checkpoint folder, drafting `tree` (a preset name or YAML/JSON file).
+
+    Without `tree`, the checkpoint's stored tree is used, else the "medusa-16" preset, pruned to
+    the checkpoint's head count if it has fewer heads than the preset is deep. `max_depth`
+    (e.g. from --depth) prunes whichever tree is chosen.
+    """
+    if max_depth is not None and max_depth < 1:
+        raise ValueError(f"the medusa tree depth must be >= 1, got {max_depth}")
+    heads = MedusaHeads.from_pretrained(path, target_model)
+    if tree is not None:
+        paths = resolve_tree(tree)
+    elif heads.tree is not None:
+        paths = heads.tree
+    else:
+        paths = prune_depth(resolve_tree(DEFAULT_TREE), heads.num_heads)
+        log.info("heads in %s store no tree; using %s (%d nodes)", path, DEFAULT_TREE, len(paths))
+    if max_depth is not None:
+        paths = prune_depth(paths, max_depth)
+    return MedusaProposer(heads, paths)

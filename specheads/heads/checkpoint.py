@@ -1,0 +1,153 @@
+"""The checkpoint format shared by every head type (Medusa, EAGLE): one folder, two files.
+
+    DIR/config.json        {"head_type", "config", "target", "format_version"}
+    DIR/model.safetensors  the heads' own weights (frozen target weights they share are left out)
+
+`target` records which target the heads were trained for, so loading them onto a
+different target fails with a clear message instead of producing garbage drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_REQUIRED_KEYS = ("head_type", "config", "target", "format_version")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a checkpoint's heads depend on in their target."""
+
+    name: str  # model id or path the heads were trained with (informational: one model can have many names)
+    model_type: str  # HF config model_type, e.g. "llama"
+    hidden_size: int
+    vocab_size: int  # rows of the output embeddings, which can exceed the tokenizer's size
+    num_layers: int
+
+    @classmethod
+    def from_model(cls, model: nn.Module, name: str) -> TargetInfo:
+        cfg = model.config.get_text_config()
+        return cls(name=str(name), model_type=str(cfg.model_type), hidden_size=int(cfg.hidden_size),
+                   vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+                   num_layers=int(cfg.num_hidden_layers))
+
+    def describe(self) -> str:
+        return f"hidden {self.hidden_size}, vocab {self.vocab_size}, {self.num_layers} layers"
+
+    def check_compatible(self, model: nn.Module, name: str | None = None, *,
+                         checkpoint: str | os.PathLike | None = None) -> None:
+        """Raise ValueError when `model` differs in a size the heads depend on; warn on a mere name change."""
+        other = TargetInfo.from_model(model, name or "this target")
+        where = f"heads in {checkpoint}" if checkpoint is not None else "these heads"
+        if (other.hidden_size, other.vocab_size, other.num_layers) != (self.hidden_size, self.vocab_size, self.num_layers):
+            raise ValueError(
+                f"{where} were trained for target {self.name} ({self.describe()}); this target has "
+                f"{other.describe()}: train heads for this target or pass the matching --target"
+            )
+        if name is not None and name != self.name:
+            log.warning("%s were trained for target %s, now used with %s (same sizes; fine if it is the same model)",
+                        where, self.name, name)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, checkpoint: str | os.PathLike = "") -> TargetInfo:
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, dict) or any(k not in data for k in names):
+            raise ValueError(f"checkpoint {checkpoint}: config.json 'target' must have the keys {names}, got {data!r}; "
+                             "re-export or re-train it")
+        return cls(**{k: data[k] for k in names})
+
+
+def _atomic_write(folder: Path, final_name: str, write) -> Path:
+    """Write through `write(tmp_path)` to a temp file in `folder`; return the temp path (caller renames it)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{final_name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def save_heads(path: str | os.PathLike, module: nn.Module, *, head_type: str, config: dict, target: TargetInfo,
+               exclude_prefixes: tuple[str, ...] = ()) -> None:
+    """Write `module`'s weights and config to the folder `path` (created if needed).
+
+    1. Collect the state dict minus keys under `exclude_prefixes` (e.g. a shared frozen target LM head).
+    2. Write config.json and model.safetensors to temp files in the same folder (same file system,
+       so the renames below are atomic) and fsync them.
+    3. os.replace the weights, then the config: a crash leaves either the old or the new file
+       under each name, never a half-written one.
+    """
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()
+             if not k.startswith(tuple(exclude_prefixes))}
+    if not state:
+        raise ValueError(f"nothing to save for {head_type} heads: every weight matches exclude_prefixes={exclude_prefixes}")
+    meta = {"head_type": head_type, "config": config, "target": asdict(target), "format_version": FORMAT_VERSION}
+    text = json.dumps(meta, indent=2) + "\n"  # serialise first: a non-JSON config fails before any file is touched
+
+    def write_json(tmp: str) -> None:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+    weights_tmp = _atomic_write(folder, WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    try:
+        config_tmp = _atomic_write(folder, CONFIG_NAME, write_json)
+    except BaseException:
+        weights_tmp.unlink()
+        raise
+    os.replace(weights_tmp, folder / WEIGHTS_NAME)
+    os.replace(config_tmp, folder / CONFIG_NAME)
+    log.info("saved %s heads (%d tensors) to %s", head_type, len(state), folder)
+
+
+def load_heads(path: str | os.PathLike) -> tuple[str, dict, TargetInfo, dict[str, torch.Tensor]]:
+    """Read a checkpoint folder: (head_type, config, target, state dict on CPU); ValueError naming the fix."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"heads checkpoint {folder} does not exist or is not a folder; pass the folder that "
+                         f"holds {CONFIG_NAME} and {WEIGHTS_NAME} (a training run's output)")
+    config_file = folder / CONFIG_NAME
+    if not config_file.is_file():
+        raise ValueError(f"checkpoint {folder} has no {CONFIG_NAME}; it is incomplete or not a heads checkpoint: "
+                         "re-export or re-train it")
+    try:
+        meta = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint {folder} is corrupt ({CONFIG_NAME}: {err}); re-export or re-train it") from err
+    if not isinstance(meta, dict) or any(k not in meta for k in _REQUIRED_KEYS):
+        missing = [k for k in _REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
+        raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} lacks {missing}; re-export or re-train it")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {folder} has format_version {meta['format_version']}, this specheads reads "
+                         f"version {FORMAT_VERSION}: upgrade specheads or re-export the checkpoint")
+    if not isinstance(meta["config"], dict):
+        raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} 'config' must be an object; re-export or re-train it")
+    target = TargetInfo.from_dict(meta["target"], checkpoint=folder)
+    weights_file = folder / WEIGHTS_NAME
+    if not weights_file.is_file():
+        raise ValueError(f"checkpoint {folder} has no {WEIGHTS_NAME}; it is incomplete: re-export or re-train it")
+    try:
+        state = load_file(weights_file, device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ValueError(f"checkpoint {folder} is corrupt or truncated ({WEIGHTS_NAME}: {err}); "
+                         "re-export or re-train it") from err
+    return str(meta["head_type"]), meta["config"], target, state

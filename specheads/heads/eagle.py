@@ -1,0 +1,144 @@
+"""EAGLE-1 draft head: predicts the target's next feature from (feature, next token).
+
+At position t the head reads the target's feature F_t (its last hidden state, after
+the final norm) and the embedding of token x_{t+1}, and predicts F_{t+1}; the
+target's frozen LM head turns that into a distribution over x_{t+2}:
+
+    h = fc(cat(embed(x_{t+1}), F_t)) -> decoder layer(s) of the target's architecture -> F̂_{t+1}
+
+The decoder layers are built from the target's own config and classes, so any HF
+decoder-only architecture works. Embeddings and LM head are the target's, frozen
+and not saved with the head.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
+from specheads.hf import cache_kwargs, decoder_of, text_config
+
+HEAD_TYPE = "eagle"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    vocab_size: int
+    num_layers: int = 1
+    init_from_target_layer: int | None = None  # copy this target layer's weights into the head's layer(s)
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"eagle num_layers must be >= 1, got {self.num_layers}")
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig, target: nn.Module) -> None:
+        super().__init__()
+        tcfg = text_config(target)
+        if tcfg.hidden_size != config.hidden_size:
+            raise ValueError(f"eagle hidden_size {config.hidden_size} != target hidden size {tcfg.hidden_size}")
+        self.config = config
+        decoder = decoder_of(target)
+        layer_cfg = copy.deepcopy(tcfg)
+        layer_cfg.num_hidden_layers = config.num_layers
+        if getattr(layer_cfg, "layer_types", None):
+            layer_cfg.layer_types = layer_cfg.layer_types[: config.num_layers]
+        layer_cls = type(decoder.layers[0])
+        dtype = next(target.parameters()).dtype
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True, dtype=dtype)
+        self.layers = nn.ModuleList(layer_cls(layer_cfg, layer_idx=i).to(dtype) for i in range(config.num_layers))
+        self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
+        self.layer_config = layer_cfg
+        # The target's embeddings and LM head: shared, frozen, outside this module's parameters.
+        self._frozen = (target.get_input_embeddings(), target.get_output_embeddings())
+        self._init_weights(target)
+
+    def _init_weights(self, target: nn.Module) -> None:
+        h = self.config.hidden_size
+        with torch.no_grad():
+            # Start as "feature passes through": the token embedding half starts small, the feature half as identity.
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:].copy_(torch.eye(h))
+            self.fc.weight[:, :h].normal_(std=0.02)
+            self.fc.bias.zero_()
+        src = self.config.init_from_target_layer
+        if src is not None:
+            layers = decoder_of(target).layers
+            if not -len(layers) <= src < len(layers):
+                raise ValueError(f"init_from_target_layer={src} is out of range for a {len(layers)}-layer target")
+            for layer in self.layers:
+                layer.load_state_dict(layers[src].state_dict())
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._frozen[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._frozen[1]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] tokens x_{t+1}
+        features: torch.Tensor,  # [B, T, H] target features F_t
+        position_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,  # [B, 1, T, S] additive; None = causal, no cache prefix
+        cache: Any = None,  # an HF Cache holding earlier positions (inference)
+    ) -> torch.Tensor:  # [B, T, H] predicted features F̂_{t+1}
+        with torch.no_grad():
+            emb = self.embed_tokens(input_ids)
+        hidden = self.fc(torch.cat([emb.to(features.dtype), features], dim=-1))
+        pos = self.rotary_emb(hidden, position_ids=position_ids)
+        extra = cache_kwargs(self.layers[0], cache) if cache is not None else {}
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=pos, **extra)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
+        return self.lm_head(hidden)
+
+    def save_pretrained(self, path: str | Path, target: TargetInfo, extra: dict | None = None) -> None:
+        save_heads(path, self, head_type=HEAD_TYPE, config={**asdict(self.config), **(extra or {})}, target=target)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_model: nn.Module, target_name: str | None = None) -> EagleHead:
+        head_type, config, info, state = load_heads(path)
+        if head_type != HEAD_TYPE:
+            raise ValueError(f"{path} holds {head_type!r} heads, not eagle heads; use --method {head_type}")
+        info.check_compatible(target_model, target_name)
+        fields = {k: v for k, v in config.items() if k in EagleConfig.__dataclass_fields__}
+        head = cls(EagleConfig(**{**fields, "init_from_target_layer": None}), target_model)
+        head.load_state_dict(state, strict=True)
+        head.saved_config = config  # extra keys (e.g. measured accuracies) for the proposer
+        return head.to(next(target_model.parameters()).device).eval()
+
+
+def eagle_loss(
+    head: EagleHead,
+    pred: torch.Tensor,  # [B, T, H] head outputs at positions t (predicting F_{t+1})
+    target_features: torch.Tensor,  # [B, T, H] F_{t+1}
+    target_logits: torch.Tensor,  # [B, T, V] target logits at t+1 (the distribution of x_{t+2})
+    mask: torch.Tensor,  # [B, T] 1 where the position counts
+    cls_weight: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE-1 objective: SmoothL1 on features + cls_weight · soft cross-entropy against the target's distribution."""
+    m = mask.to(pred.dtype)
+    denom = m.sum().clamp(min=1.0)
+    reg = (F.smooth_l1_loss(pred, target_features, reduction="none").mean(-1) * m).sum() / denom
+    logits = head.logits(pred).float()
+    target_p = target_logits.float().softmax(-1)
+    ce = (-(target_p * logits.log_softmax(-1)).sum(-1) * m).sum() / denom
+    with torch.no_grad():
+        top1 = ((logits.argmax(-1) == target_logits.argmax(-1)).to(m.dtype) * m).sum() / denom
+    loss = reg + cls_weight * ce
+    return loss, {"loss_reg": float(reg), "loss_ce": float(ce), "top1": float(top1)}

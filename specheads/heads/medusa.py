@@ -1,0 +1,193 @@
+"""Medusa heads: K small residual heads that read the target's last hidden state and guess further ahead.
+
+At the hidden state h of token x_t the target's LM head predicts x_{t+1}; Medusa head k
+(k = 0..K-1) predicts x_{t+k+2}. Each head is `num_layers` residual blocks followed by
+an LM head: either the target's own (shared, frozen, not saved) or a trainable copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
+from specheads.trees import validate_tree
+
+log = logging.getLogger(__name__)
+
+HEAD_TYPE = "medusa"
+_SHARED_PREFIX = "target_lm_head."  # the target's own LM head: frozen, never saved
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4  # K: head k guesses the token k + 2 positions after the hidden state's token
+    num_layers: int = 1  # residual blocks per head
+    own_lm_head: bool = False  # a trainable LM head per head (initialised from the target's) instead of sharing it
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"medusa {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.own_lm_head, bool):
+            raise ValueError(f"medusa own_lm_head must be true or false, got {self.own_lm_head!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MedusaConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown medusa config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def for_target(cls, model: nn.Module, **kwargs) -> MedusaConfig:
+        """A config sized for `model` (hidden size from its config, vocab from its output embeddings)."""
+        return cls(hidden_size=int(model.config.get_text_config().hidden_size),
+                   vocab_size=int(model.get_output_embeddings().weight.shape[0]), **kwargs)
+
+
+class ResBlock(nn.Module):
+    """x + silu(linear(x)); zero weight and bias make a fresh block the identity (silu(0) = 0),
+    so an untrained head starts as the target's own next-token predictor."""
+
+    def __init__(self, hidden_size: int, *, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size, device=device, dtype=dtype)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., H]
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads for one target; `forward(hidden [B, T, H]) -> logits [K, B, T, V]`."""
+
+    def __init__(self, config: MedusaConfig, target_lm_head: nn.Module) -> None:
+        """`target_lm_head` is the target's output embedding (H -> V). Shared heads use it as is and
+        freeze it (the target is frozen by design); own heads copy its weights."""
+        super().__init__()
+        weight = target_lm_head.weight
+        if tuple(weight.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"the target LM head is {tuple(weight.shape)} (vocab, hidden) but the medusa config says "
+                             f"({config.vocab_size}, {config.hidden_size}); build the config with MedusaConfig.for_target")
+        self.config = config
+        self.tree: list[list[int]] | None = None  # the static tree stored with a checkpoint, if any
+        # New weights follow the target's device and dtype, so the heads run on its hidden states as they come.
+        factory = dict(device=weight.device, dtype=weight.dtype)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(config.hidden_size, **factory) for _ in range(config.num_layers)))
+            for _ in range(config.num_heads)
+        )
+        if config.own_lm_head:
+            bias = getattr(target_lm_head, "bias", None)
+            self.lm_heads = nn.ModuleList()
+            for _ in range(config.num_heads):
+                head = nn.Linear(config.hidden_size, config.vocab_size, bias=bias is not None, **factory)
+                with torch.no_grad():
+                    head.weight.copy_(weight)
+                    if bias is not None:
+                        head.bias.copy_(bias)
+                self.lm_heads.append(head)
+            self.target_lm_head = None
+        else:
+            self.lm_heads = None
+            self.target_lm_head = target_lm_head.requires_grad_(False)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [B, T, H] the target's last hidden states (after its final norm)
+        num_heads: int | None = None,  # run only the first n heads (a shallow tree needs no more)
+    ) -> torch.Tensor:  # [K, B, T, V] (K = num_heads when given)
+        n = self.config.num_heads if num_heads is None else num_heads
+        assert 1 <= n <= self.config.num_heads, (n, self.config.num_heads)
+        block_dtype = self.blocks[0][0].linear.weight.dtype
+        x = hidden.to(block_dtype)
+        out = []
+        for k in range(n):
+            h = self.blocks[k](x)
+            lm_head = self.lm_heads[k] if self.lm_heads is not None else self.target_lm_head
+            out.append(lm_head(h.to(lm_head.weight.dtype)))
+        return torch.stack(out)
+
+    def save_pretrained(self, path: str | os.PathLike, target: TargetInfo, tree: list[list[int]] | None = None) -> None:
+        """Save config, weights (not the shared target LM head) and optionally the static tree to use."""
+        config = asdict(self.config)
+        config["tree"] = validate_tree(tree) if tree is not None else None
+        save_heads(path, self, head_type=HEAD_TYPE, config=config, target=target, exclude_prefixes=(_SHARED_PREFIX,))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, target_model: nn.Module) -> MedusaHeads:
+        """Load heads for `target_model` (checked against the sizes they were trained for), on its device and dtype."""
+        head_type, config, target, state = load_heads(path)
+        if head_type != HEAD_TYPE:
+            raise ValueError(f"checkpoint {path} holds {head_type!r} heads, not medusa heads; "
+                             f"use the method that matches it (e.g. --method {head_type})")
+        target.check_compatible(target_model, checkpoint=path)
+        config = dict(config)
+        tree = config.pop("tree", None)
+        try:
+            cfg = MedusaConfig.from_dict(config)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"checkpoint {path}: bad medusa config ({err}); re-export or re-train it") from err
+        heads = cls(cfg, target_model.get_output_embeddings())
+        expected = {k for k in heads.state_dict() if not k.startswith(_SHARED_PREFIX)}
+        if set(state) != expected:
+            raise ValueError(f"checkpoint {path} does not match its config (missing {sorted(expected - set(state))}, "
+                             f"unexpected {sorted(set(state) - expected)}); re-export or re-train it")
+        try:
+            heads.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # shape mismatches
+            raise ValueError(f"checkpoint {path} does not match its config ({err}); re-export or re-train it") from err
+        if tree is not None:
+            heads.tree = validate_tree(tree)
+        return heads.eval()
+
+
+def medusa_loss(
+    logits: torch.Tensor,  # [K, B, T, V] heads' logits at every position
+    input_ids: torch.Tensor,  # [B, T] the tokens the hidden states were computed on
+    loss_mask: torch.Tensor,  # [B, T] 1 where a token is a training target (e.g. assistant tokens)
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, list[float]]:
+    """Medusa-1 loss: sum_k decay**k * CE(head k at t, token t + k + 2), and per-head top-1 accuracy.
+
+    1. For head k, pair positions t = 0..T-k-3 with targets input_ids[:, t + k + 2]; positions whose
+       target would fall beyond T have nothing to predict and are dropped.
+    2. Keep pairs whose target token has loss_mask 1; CE is the mean over them (0 when none).
+    3. Weight head k by decay**k (later heads are less accurate and matter less to acceptance).
+    Accuracy is NaN for a head with no kept pair, so it is not mistaken for a measured zero.
+    """
+    num_heads, batch, length, vocab = logits.shape
+    assert input_ids.shape == (batch, length) and loss_mask.shape == (batch, length), (input_ids.shape, loss_mask.shape)
+    total = logits.new_zeros((), dtype=torch.float32)
+    accuracies: list[float] = []
+    for k in range(num_heads):
+        shift = k + 2
+        if length <= shift:
+            total = total + 0.0 * logits[k].sum()  # keeps every head in the graph (DDP wants all parameters used)
+            accuracies.append(float("nan"))
+            continue
+        keep = loss_mask[:, shift:].bool()  # [B, T-shift]
+        pred = logits[k, :, : length - shift][keep].float()  # [M, V]; select first so only kept rows go fp32
+        gold = input_ids[:, shift:][keep]  # [M]
+        if gold.numel() == 0:
+            total = total + 0.0 * logits[k].sum()
+            accuracies.append(float("nan"))
+            continue
+        total = total + decay**k * F.cross_entropy(pred, gold)
+        accuracies.append((pred.argmax(dim=-1) == gold).float().mean().item())
+    return total, accuracies

@@ -1,0 +1,32 @@
+"""Small compatibility helpers for transformers models used by both training and inference."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+
+@functools.cache
+def _cache_argument(module_class: type) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache`; accept either spelling.
+    return "cache" if "cache" in inspect.signature(module_class.forward).parameters else "past_key_values"
+
+
+def cache_kwargs(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """Keyword arguments that hand `cache` to `module.forward` (a model or a decoder layer), with use_cache=True."""
+    return {_cache_argument(type(module)): cache, "use_cache": True}
+
+
+def text_config(model: torch.nn.Module) -> Any:
+    return model.config.get_text_config()
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (the module holding `layers`, `norm` and `rotary_emb`) of an HF causal LM."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        raise ValueError(f"{type(model).__name__} has no decoder stack with `layers`; use a decoder-only causal LM")
+    return decoder

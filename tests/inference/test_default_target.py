@@ -1,0 +1,68 @@
+"""Golden equivalence on the real default target (SmolLM2-135M-Instruct) with MT-bench prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specheads.inference import Engine
+from specheads.inference.proposers import AutoregressiveProposer
+from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
+from specheads.inference.proposers.ngram import NgramProposer
+from specheads.questions import Question
+
+pytestmark = pytest.mark.slow
+
+# Three MT-bench-style first turns (the shared evaluation file is not part of the repository).
+PROMPTS = [
+    Question(81, "writing", ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
+                             "cultural experiences and must-see attractions.",)),
+    Question(101, "reasoning", ("Imagine you are participating in a race with a group of people. If you have just "
+                                "overtaken the second person, what's your current position? Where is the person you "
+                                "just overtook?",)),
+    Question(121, "coding", ("Develop a Python program that reads all the text files under a directory and returns "
+                             "top-5 words with the most number of occurrences.",)),
+]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def default_target():
+    from specheads.target import load_target
+
+    return load_target("default")
+
+
+def test_every_method_reproduces_hf_greedy_on_the_default_target(default_target):
+    from specheads.target import render_chat, stop_token_ids
+
+    model, tokenizer = default_target
+    stops = stop_token_ids(tokenizer, model)
+    engines = {
+        "ar": Engine(model, AutoregressiveProposer()),
+        "ngram": Engine(model, NgramProposer()),
+        "early-exit:8": Engine(model, DraftModelProposer(early_exit_model(model, 8), DraftConfig(depth=3, width=2))),
+    }
+    drafted = 0
+    for q in PROMPTS:
+        prompt = render_chat(tokenizer, [q.turns[0]])
+        ids = torch.tensor([prompt])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                            eos_token_id=stops, pad_token_id=stops[0])[0, len(prompt):].tolist()
+        for name, engine in engines.items():
+            res = engine.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops)
+            assert res.output_ids == hf, (name, q.question_id)
+            drafted += res.stats.drafted
+    assert drafted > 0
+
+
+def test_shared_mt_bench_file_parses_when_present():
+    path = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench.jsonl"
+    if not path.is_file():
+        pytest.skip("shared MT-bench file not present next to the repository")
+    from specheads.questions import load_questions
+
+    qs = load_questions(path)
+    assert len(qs) == 80 and all(len(q.turns) == 2 for q in qs)

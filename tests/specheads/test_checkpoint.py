@@ -1,0 +1,109 @@
+"""The shared heads checkpoint: roundtrip, target checks, corrupt files, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, load_heads, save_heads
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", layers=2)
+
+
+def small_module() -> nn.Module:
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.own = nn.Linear(64, 32)  # big enough that half the file ends inside the tensor data
+    module.shared = nn.Linear(32, 5, bias=False)
+    return module
+
+
+def save_small(path, target) -> nn.Module:
+    module = small_module()
+    save_heads(path, module, head_type="toy", config={"width": 4}, target=TargetInfo.from_model(target, "tiny"),
+               exclude_prefixes=("shared.",))
+    return module
+
+
+def test_target_info_from_model(target):
+    info = TargetInfo.from_model(target, "tiny")
+    assert info == TargetInfo(name="tiny", model_type="llama", hidden_size=64, vocab_size=96, num_layers=2)
+
+
+def test_roundtrip_excludes_prefixes_and_leaves_no_temp_files(tmp_path, target):
+    module = save_small(tmp_path / "ckpt", target)
+    head_type, config, info, state = load_heads(tmp_path / "ckpt")
+    assert head_type == "toy" and config == {"width": 4}
+    assert info == TargetInfo.from_model(target, "tiny")
+    assert set(state) == {"own.weight", "own.bias"}
+    torch.testing.assert_close(state["own.weight"], module.own.weight)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert json.loads((tmp_path / "ckpt" / CONFIG_NAME).read_text())["format_version"] == 1
+    # Overwriting in place also leaves only the two files.
+    save_small(tmp_path / "ckpt", target)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+
+
+def test_failed_save_keeps_old_checkpoint_and_no_temp_files(tmp_path, target):
+    save_small(tmp_path, target)
+    before = (tmp_path / WEIGHTS_NAME).read_bytes()
+    with pytest.raises(TypeError):  # config not JSON-serialisable: fails before touching any file
+        save_heads(tmp_path, small_module(), head_type="toy", config={"bad": object()},
+                   target=TargetInfo.from_model(target, "tiny"))
+    assert (tmp_path / WEIGHTS_NAME).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+
+
+def test_mismatched_target_names_both_sizes(tmp_path, target):
+    info = TargetInfo(name="SmolLM2-135M", model_type="llama", hidden_size=576, vocab_size=49152, num_layers=30)
+    with pytest.raises(ValueError, match=r"(?s)SmolLM2-135M.*hidden 576, vocab 49152.*hidden 64, vocab 96.*--target"):
+        info.check_compatible(target, checkpoint=tmp_path)
+    other_layers = TargetInfo.from_model(tiny_model("llama", layers=3), "x")
+    with pytest.raises(ValueError, match="3 layers"):
+        other_layers.check_compatible(target)
+
+
+def test_name_mismatch_only_warns(target, caplog):
+    info = TargetInfo.from_model(target, "org/tiny")
+    with caplog.at_level(logging.WARNING):
+        info.check_compatible(target, "local/tiny-copy")
+    assert "local/tiny-copy" in caplog.text
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001])  # cut inside the tensor data, cut inside the header
+def test_truncated_weights_raise_clear_error(tmp_path, target, keep):
+    save_small(tmp_path, target)
+    data = (tmp_path / WEIGHTS_NAME).read_bytes()
+    (tmp_path / WEIGHTS_NAME).write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ValueError, match="corrupt or truncated.*re-export or re-train"):
+        load_heads(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["no-folder", "no-config", "bad-json", "missing-key", "no-weights"])
+def test_broken_checkpoints_raise_value_error(tmp_path, target, damage):
+    save_small(tmp_path / "ckpt", target)
+    ckpt = tmp_path / "ckpt"
+    if damage == "no-folder":
+        ckpt = tmp_path / "nowhere"
+    elif damage == "no-config":
+        (ckpt / CONFIG_NAME).unlink()
+    elif damage == "bad-json":
+        (ckpt / CONFIG_NAME).write_text('{"head_type": "toy", ')
+    elif damage == "missing-key":
+        meta = json.loads((ckpt / CONFIG_NAME).read_text())
+        del meta["target"]
+        (ckpt / CONFIG_NAME).write_text(json.dumps(meta))
+    elif damage == "no-weights":
+        (ckpt / WEIGHTS_NAME).unlink()
+    expected = {"no-folder": "does not exist", "no-config": "has no config.json", "bad-json": "corrupt",
+                "missing-key": "lacks.*target", "no-weights": "has no model.safetensors"}[damage]
+    with pytest.raises(ValueError, match=expected):
+        load_heads(ckpt)

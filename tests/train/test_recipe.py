@@ -1,0 +1,174 @@
+"""The training recipe end to end on a tiny target: loss goes down, checkpoints resume exactly,
+two CPU processes average gradients, W&B offline writes the run, and the heads decode exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from specheads.train.__main__ import main as train_main
+from specheads.train.config import load_train_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_run_inputs(tmp_path_factory):
+    """A saved tiny target and a ShareGPT-format JSONL whose answers follow a learnable pattern."""
+    from tests.conftest import tiny_model, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("recipe")
+    target = root / "target"
+    tiny_model("llama").save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(48):
+        conv = []
+        for _ in range(2):
+            conv.append({"from": "human", "value": " ".join(f"w{rng.randrange(3, 96)}" for _ in range(6))})
+            start = rng.randrange(3, 60)
+            conv.append({"from": "gpt", "value": " ".join(f"w{(start + 3 * k) % 93 + 3}" for k in range(16))})
+        rows.append({"conversations": conv})
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target, data
+
+
+def base_args(inputs, out: Path, *extra: str) -> list[str]:
+    target, data = inputs
+    return [f"target={target}", f"data.source={data}", f"output_dir={out}", "data.max_length=96",
+            "optim.batch_size=4", "optim.warmup_steps=2", "draft_vocab_size=48", "log_every=1", "eval_every=100",
+            "data.eval_fraction=0.1", *extra]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
+
+
+def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_path):
+    out = tmp_path / "run"
+    assert train_main(base_args(tiny_run_inputs, out, "max_steps=24", "save_every=24", "eval_every=12")) == 0
+    losses = train_losses(out)
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (22, 23, 24)) / 3
+    assert last < 0.8 * first, losses
+    evals = [r for r in metrics(out) if "eval/top1_step1" in r]
+    assert [r["step"] for r in evals] == [12, 24] and "eval/simulated_tau_chain" in evals[-1]
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["head_type"] == "eagle" and len(cfg["config"]["draft_vocab"]) == 48
+    assert (out / "config.yaml").is_file()
+
+    from specheads.inference import Engine
+    from specheads.inference.methods import MethodOptions, make_proposer
+    from specheads.inference.proposers import AutoregressiveProposer
+    from specheads.target import load_target
+
+    target, _ = load_target(str(tiny_run_inputs[0]))
+    prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
+    eagle = Engine(target, make_proposer("eagle", target, MethodOptions(heads=str(out / "final")), None))
+    res = eagle.generate(prompt, max_new_tokens=32)
+    assert res.output_ids == plain.output_ids
+    assert res.stats.drafted > 0
+
+
+def test_resume_continues_with_the_same_losses(tiny_run_inputs, tmp_path):
+    import shutil
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train_main(base_args(tiny_run_inputs, full, "max_steps=14", "save_every=7")) == 0
+    # A run that crashed after its step-7 checkpoint: its folder holds the config and that checkpoint only.
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "step_7", part / "checkpoints" / "step_7")
+    shutil.copy(full / "config.yaml", part / "config.yaml")
+    assert train_main(base_args(tiny_run_inputs, part, "max_steps=14", "save_every=7", "resume=true")) == 0
+    a, b = train_losses(full), train_losses(part)
+    for step in range(8, 15):  # steps 8.. cross an epoch boundary (11 batches per epoch)
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+
+
+def test_resume_with_a_changed_model_config_is_refused(tiny_run_inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_main(base_args(tiny_run_inputs, out, "max_steps=2", "save_every=2")) == 0
+    code = train_main(base_args(tiny_run_inputs, out, "max_steps=4", "resume=true", "heads.eagle_layers=2"))
+    assert code == 2 and "'heads' differs" in capsys.readouterr().err
+
+
+def test_unknown_config_key_suggests_the_nearest(tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'max_steps'"):
+        load_train_config(None, ["max_step=3"])
+    with pytest.raises(ValueError, match="did you mean 'max_conversations'"):
+        load_train_config(None, ["data.max_conversation=3"])
+    with pytest.raises(ValueError, match="must be an integer"):
+        load_train_config(None, ["max_steps=ten"])
+
+
+def test_every_recipe_file_parses():
+    recipes = sorted((REPO / "configs").glob("*-smollm2-*.yaml"))
+    assert recipes, "no recipes in configs/"
+    for path in recipes:
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# ") and "specheads.train" in first, path  # each recipe begins with its command
+        load_train_config(path, [])
+
+
+def test_wandb_offline_writes_the_run(tiny_run_inputs, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    assert train_main(base_args(tiny_run_inputs, out, "max_steps=3", "save_every=3", "report_to=wandb")) == 0
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+WRAPPER = textwrap.dedent('''
+    """Runs the recipe and records each rank's final head parameters (they must agree under DDP)."""
+    import sys, torch
+    import specheads.train.recipe as recipe
+    from specheads.train.config import load_train_config
+
+    prepared = {}
+    class Recording(recipe.Accelerator):
+        def prepare(self, *args, **kwargs):
+            out = super().prepare(*args, **kwargs)
+            prepared["model"], prepared["rank"] = out[0], self.process_index
+            prepared["world"] = (self.num_processes, self.distributed_type.value)
+            prepared["first_batch"] = next(iter(out[2]))["input_ids"]
+            return out
+
+    recipe.Accelerator = Recording
+    recipe.train(load_train_config(None, sys.argv[2:]))
+    params = torch.cat([p.detach().flatten() for p in prepared["model"].parameters()])
+    torch.save({"params": params, "world": prepared["world"], "first_batch": prepared["first_batch"]},
+               f"{sys.argv[1]}/rank{prepared['rank']}.pt")
+''')
+
+
+def test_two_cpu_processes_average_gradients(tiny_run_inputs, tmp_path):
+    script = tmp_path / "wrapper.py"
+    script.write_text(WRAPPER)
+    out = tmp_path / "ddp"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(29500 + os.getpid() % 1000), str(script), str(tmp_path),
+                           *base_args(tiny_run_inputs, out, "max_steps=4", "save_every=4", "optim.batch_size=2")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0["world"] == r1["world"] == (2, "MULTI_CPU")
+    assert not torch.equal(r0["first_batch"], r1["first_batch"])  # each rank trains on its own shard...
+    torch.testing.assert_close(r0["params"], r1["params"], rtol=0, atol=0)  # ...yet they agree: grads were averaged
+    assert (out / "final" / "model.safetensors").is_file()

@@ -1,0 +1,33 @@
+"""`python -m specheads.train CONFIG.yaml [key=value ...]` (also under `accelerate launch` and `torchrun`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nCommon overrides: output_dir=DIR max_steps=N data.max_conversations=N resume=true "
+              "report_to=wandb", file=sys.stderr)
+        return 0 if args else 2
+    config_path, overrides = (None, args) if "=" in args[0] else (args[0], args[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from specheads.train.config import load_train_config
+    from specheads.train.recipe import train
+
+    try:
+        cfg = load_train_config(config_path, overrides)
+        final = train(cfg)
+    except ValueError as err:
+        print(f"specheads train: error: {err}", file=sys.stderr)
+        return 2
+    print(f"heads saved to {final}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

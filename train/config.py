@@ -1,0 +1,89 @@
+"""The training recipe's configuration: YAML recipes in configs/ load into these frozen dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specheads.config import load_config
+
+RECIPES = ("eagle", "medusa")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "sharegpt"  # "sharegpt" (the PyPI package) or a local .json/.jsonl/.parquet file
+    max_conversations: int | None = 2000
+    max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted)
+    eval_fraction: float = 0.02
+    max_eval_conversations: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_conversations is not None and self.max_conversations < 2:
+            raise ValueError("data.max_conversations must be >= 2 (one for training, one for evaluation)")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.max_length < 16:
+            raise ValueError(f"data.max_length must be >= 16, got {self.max_length}")
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    eagle_layers: int = 1
+    init_from_target_layer: int | None = -1  # EAGLE: start the head's layer from this target layer (None: random)
+    cls_weight: float = 0.1  # EAGLE: weight of the soft cross-entropy next to the feature SmoothL1 loss
+    feature_noise: float = 0.0  # EAGLE: uniform noise of this amplitude on input features (regularisation)
+    medusa_heads: int = 4
+    medusa_layers: int = 1
+    medusa_decay: float = 0.8  # Medusa: head k's loss weight is decay**k
+    own_lm_head: bool = False  # Medusa: train an LM head per head (initialised from the target's) instead of sharing it
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    batch_size: int = 4  # conversations per step and process
+    grad_accum: int = 1
+    max_grad_norm: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("optim.lr must be > 0 and optim.batch_size, optim.grad_accum >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    recipe: str = "eagle"  # "eagle" or "medusa"
+    target: str = "default"
+    output_dir: str = "runs/eagle"
+    max_steps: int = 300
+    seed: int = 0
+    resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
+    report_to: str = "none"  # "none" or "wandb" (works with WANDB_MODE=offline)
+    mixed_precision: str = "auto"  # "auto" (bf16 on CUDA, none on CPU), "no", "bf16", "fp16"
+    log_every: int = 10
+    eval_every: int = 100
+    save_every: int = 100
+    draft_vocab_size: int | None = 8192  # most frequent training tokens the draft LM head scores (None: all)
+    data: DataConfig = field(default_factory=DataConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        if self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.report_to not in ("none", "wandb"):
+            raise ValueError(f"report_to must be 'none' or 'wandb', got {self.report_to!r}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+        for name in ("log_every", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def load_train_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
+    return load_config(TrainConfig, path, overrides)

@@ -1,0 +1,219 @@
+"""The training recipe: set up -> train -> save, written against Accelerate only.
+
+    accelerate launch -m specheads.train configs/eagle-smollm2-cpu.yaml [key=value ...]
+
+Works the same on one CPU process, `torchrun`/`accelerate launch` with several
+processes (DDP, or DeepSpeed/FSDP through the accelerate config), and one or
+many GPUs. The run directory holds the resolved config, `metrics.jsonl`,
+`checkpoints/step_N/` (Accelerate state + trainer state) and `final/` (the heads).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from specheads.config import save_config, to_dict
+from specheads.heads.checkpoint import TargetInfo
+from specheads.target import load_target
+from specheads.train.config import TrainConfig
+from specheads.train.data import (
+    collate,
+    load_conversations,
+    pad_token_id,
+    split_by_conversation,
+    tokenize_dataset,
+)
+from specheads.train.eagle import build_eagle, eagle_eval, eagle_step_loss
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+
+
+def _mixed_precision(cfg: TrainConfig) -> str:
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    complete = [p for p in ckpts if (p / STATE_FILE).is_file()]  # the state file is written last
+    return complete[-1] if complete else None
+
+
+def _check_resume_config(out: Path, cfg: TrainConfig) -> None:
+    saved_path = out / "config.yaml"
+    if not saved_path.is_file():
+        return
+    saved = yaml.safe_load(saved_path.read_text())
+    now = to_dict(cfg)
+    for section in ("recipe", "target", "heads", "draft_vocab_size"):
+        if saved.get(section) != now.get(section):
+            raise ValueError(f"resume=true but '{section}' differs from the run in {out} "
+                             f"({saved.get(section)!r} -> {now.get(section)!r}); resume with the original model "
+                             "config or start a new output_dir")
+
+
+def draft_vocabulary(train_ds, size: int | None, vocab: int) -> list[int] | None:
+    """The `size` most frequent assistant tokens in the training data (ties by id), for a cheaper draft LM head."""
+    if size is None or size >= vocab:
+        return None
+    counts: Counter[int] = Counter()
+    for ids, mask in zip(train_ds["input_ids"], train_ds["loss_mask"]):
+        counts.update(t for t, m in zip(ids, mask) if m)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    if len(ranked) < size:  # pad with the lowest ids not seen, so the size is what was asked for
+        seen = set(ranked)
+        ranked += [t for t in range(vocab) if t not in seen][: size - len(ranked)]
+    return sorted(ranked)
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Train heads per `cfg`; returns the folder of the final heads."""
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.optim.grad_accum,
+        mixed_precision=_mixed_precision(cfg),
+        log_with="wandb" if cfg.report_to == "wandb" else None,
+        project_dir=cfg.output_dir,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
+    set_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    resume_from = latest_checkpoint(out) if cfg.resume else None
+    if cfg.resume:
+        _check_resume_config(out, cfg)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+    accelerator.wait_for_everyone()
+
+    target, tokenizer = load_target(cfg.target, device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
+    with accelerator.main_process_first():
+        conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations)
+        tokenized = tokenize_dataset(conversations, tokenizer, cfg.data.max_length)
+    train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.seed)
+    eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
+    log.info("data: %s; %d train / %d eval conversations", report, len(train_ds), len(eval_ds))
+    columns = ["input_ids", "loss_mask"]
+    pad = pad_token_id(tokenizer)
+    loader = DataLoader(train_ds.select_columns(columns), batch_size=cfg.optim.batch_size, shuffle=True,
+                        collate_fn=lambda ex: collate(ex, pad), generator=torch.Generator().manual_seed(cfg.seed))
+    eval_loader = DataLoader(eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size,
+                             collate_fn=lambda ex: collate(ex, pad))
+
+    head = build_eagle(cfg, target)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                  weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
+    head, optimizer, loader, eval_loader, scheduler = accelerator.prepare(head, optimizer, loader, eval_loader, scheduler)
+
+    step, epoch, batches_done = 0, 0, 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state = json.loads((resume_from / STATE_FILE).read_text())
+        step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
+        log.info("resumed from %s at step %d", resume_from, step)
+    if cfg.report_to == "wandb":
+        accelerator.init_trackers("specheads", config=to_dict(cfg), init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
+
+    metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if accelerator.is_main_process else None
+
+    def emit(row: dict) -> None:
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+        accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+
+    def evaluate() -> dict:
+        head.eval()
+        sums: dict[str, torch.Tensor] = {}
+        model = accelerator.unwrap_model(head)
+        for batch in eval_loader:
+            for k, v in eagle_eval(model, target, batch).items():
+                sums[k] = sums.get(k, 0) + v.to(accelerator.device)
+        head.train()
+        sums = {k: accelerator.reduce(v, reduction="sum") for k, v in sums.items()}
+        pos = sums["positions"].clamp(min=1)
+        row = {f"eval/top1_step{i + 1}": float(x) for i, x in enumerate(sums["correct_top1"] / pos)}
+        row |= {f"eval/top5_step{i + 1}": float(x) for i, x in enumerate(sums["correct_topk"] / pos)}
+        row["eval/simulated_tau_chain"] = 1.0 + float(sums["accepted"][0] / sums["starts"][0].clamp(min=1))
+        return row
+
+    def save_checkpoint() -> None:
+        ckpt = out / "checkpoints" / f"step_{step}"
+        accelerator.save_state(str(ckpt))
+        if accelerator.is_main_process:  # written last: a checkpoint without it is incomplete and ignored
+            (ckpt / STATE_FILE).write_text(json.dumps({"step": step, "epoch": epoch, "batches_done": batches_done}))
+        accelerator.wait_for_everyone()
+
+    head.train()
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
+    tokens_seen, window_start, last = 0, time.perf_counter(), {}
+    while step < cfg.max_steps:
+        loader.set_epoch(epoch)
+        batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
+        for batch in batches:
+            with accelerator.accumulate(head):
+                loss, stats = eagle_step_loss(head, target, batch, cfg)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            batches_done += 1
+            tokens_seen += int(batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            last = {"step": step, "loss": float(loss), **stats, "lr": scheduler.get_last_lr()[0]}
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                elapsed = time.perf_counter() - window_start
+                emit({**last, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9), "epoch": epoch})
+                bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{stats['top1']:.2f}")
+                tokens_seen, window_start = 0, time.perf_counter()
+            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                emit({"step": step, **evaluate()})
+            if step % cfg.save_every == 0 or step == cfg.max_steps:
+                save_checkpoint()
+            if step >= cfg.max_steps:
+                break
+        else:
+            epoch += 1
+            batches_done = 0
+    bar.close()
+
+    final = out / "final"
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(head)
+        vocab = draft_vocabulary(train_ds, cfg.draft_vocab_size, model.config.vocab_size)
+        metrics = _last_eval(out)
+        model.save_pretrained(final, TargetInfo.from_model(target, cfg.target),
+                              extra={"draft_vocab": vocab, "eval": metrics})
+        log.info("saved heads to %s", final)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if metrics_file is not None:
+        metrics_file.close()
+    return final
+
+
+def _last_eval(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    return evals[-1] if evals else {}
+
