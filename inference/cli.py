@@ -206,16 +206,29 @@ def _run_bench(args: argparse.Namespace) -> None:
         (args.output / "summary.json").write_text(json.dumps([asdict(s) for s in summaries], indent=2), encoding="utf-8")
 
 
+def _train_passthrough(argv: list[str]) -> int:
+    """`specheads train ...` runs the training recipe as its own module, so the engine never imports training code."""
+    import os
+
+    os.execv(sys.executable, [sys.executable, "-m", "specheads.train", *argv])
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specheads", description="Speculative-decoding drafters for a frozen target LLM.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train heads: specheads train CONFIG.yaml [key=value ...] (same as python -m specheads.train)",
+                   add_help=False)
     _add_generate(sub)
     _add_bench(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        return _train_passthrough(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

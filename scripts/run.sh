@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# The main job on the default target: set up, then compare methods on MT-bench first turns in one run.
+# The main job on the default target (SmolLM2-135M-Instruct), on CPU or GPU:
+#   1. set up (.venv, project, default target, ShareGPT data);
+#   2. train EAGLE heads with the CPU recipe (~15 min on 2 cores; MEDUSA=1 also trains Medusa heads);
+#   3. measure τ and speed on MT-bench first turns against `ar`, HF `generate` and `ngram`, in one run.
+# The table is printed and written to runs/main-<date>/bench/summary.md.
 #
-#   scripts/run.sh [QUESTIONS.jsonl] [extra `specheads bench` flags]
-#
-# Writes results.jsonl, summary.json and summary.md under runs/bench-<date>/ and prints the table.
+#   scripts/run.sh                       # defaults
+#   QUESTIONS=path.jsonl LIMIT=40 MAX_NEW=128 MEDUSA=1 scripts/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-questions="${1:-../shared/data/mt_bench.jsonl}"
-shift || true
+questions="${QUESTIONS:-../shared/data/mt_bench.jsonl}"
 if [[ ! -f "$questions" ]]; then
-    echo "questions file $questions not found; pass a Spec-Bench JSONL file as the first argument" >&2
+    echo "questions file $questions not found; set QUESTIONS to a Spec-Bench JSONL file" >&2
     exit 2
 fi
-out="runs/bench-$(date +%Y%m%d-%H%M%S)"
-exec .venv/bin/specheads bench --target default --methods hf,ar,ngram,draft:early-exit:8 \
-    --questions "$questions" --limit 20 --max-new-tokens 128 --output "$out" "$@"
+run="runs/main-$(date +%Y%m%d-%H%M%S)"
+methods="hf,ar,ngram"
+echo "==> training EAGLE heads into $run/eagle"
+.venv/bin/python -m specheads.train configs/eagle-smollm2-cpu.yaml "output_dir=$run/eagle"
+methods="$methods,eagle:$run/eagle/final"
+if [[ "${MEDUSA:-0}" == 1 ]]; then
+    echo "==> training Medusa heads into $run/medusa"
+    .venv/bin/python -m specheads.train configs/medusa-smollm2-cpu.yaml "output_dir=$run/medusa"
+    methods="$methods,medusa:$run/medusa/final"
+fi
+echo "==> benchmarking $methods"
+.venv/bin/specheads bench --target default --methods "$methods" --questions "$questions" \
+    --limit "${LIMIT:-20}" --max-new-tokens "${MAX_NEW:-128}" --output "$run/bench"
+echo "==> results in $run/bench (summary.md, summary.json, results.jsonl)"

@@ -30,7 +30,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class HeadsConfig:
     eagle_layers: int = 1
-    init_from_target_layer: int | None = -1  # EAGLE: start the head's layer from this target layer (None: random)
+    init_from_target_layer: int | None = None  # EAGLE: copy this target layer into the head (None: random init, learns faster)
     cls_weight: float = 0.1  # EAGLE: weight of the soft cross-entropy next to the feature SmoothL1 loss
     feature_noise: float = 0.0  # EAGLE: uniform noise of this amplitude on input features (regularisation)
     medusa_heads: int = 4

@@ -81,3 +81,11 @@ def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.
     starts = counts.sum()
     return {"correct_top1": top1, "correct_topk": topk_hits, "positions": totals,
             "accepted": accepted[counts].sum().float().reshape(1), "starts": starts.float().reshape(1)}
+
+
+def eagle_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], None]:
+    pos = sums["positions"].clamp(min=1)
+    row = {f"eval/top1_step{i + 1}": float(x) for i, x in enumerate(sums["correct_top1"] / pos)}
+    row |= {f"eval/top5_step{i + 1}": float(x) for i, x in enumerate(sums["correct_topk"] / pos)}
+    row["eval/simulated_tau_chain"] = 1.0 + float(sums["accepted"][0] / sums["starts"][0].clamp(min=1))
+    return row, None

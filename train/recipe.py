@@ -14,6 +14,8 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ from transformers import get_cosine_schedule_with_warmup
 from specheads.config import save_config, to_dict
 from specheads.heads.checkpoint import TargetInfo
 from specheads.target import load_target
+from specheads.trees import build_static_tree
 from specheads.train.config import TrainConfig
 from specheads.train.data import (
     collate,
@@ -35,7 +38,8 @@ from specheads.train.data import (
     split_by_conversation,
     tokenize_dataset,
 )
-from specheads.train.eagle import build_eagle, eagle_eval, eagle_step_loss
+from specheads.train.eagle import build_eagle, eagle_eval, eagle_eval_row, eagle_step_loss
+from specheads.train.medusa import build_medusa, medusa_eval, medusa_eval_row, medusa_step_loss
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,24 @@ def draft_vocabulary(train_ds, size: int | None, vocab: int) -> list[int] | None
     return sorted(ranked)
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What differs between recipes; the loop below is shared."""
+
+    build: Callable  # (cfg, target) -> nn.Module
+    step_loss: Callable  # (module, target, batch, cfg) -> (loss, {metric: float})
+    eval_sums: Callable  # (module, target, batch) -> {name: Tensor} summed over batches and processes
+    eval_row: Callable  # (sums) -> ({metric: float}, extra saved with the heads)
+
+
+OBJECTIVES = {
+    "eagle": Objective(build_eagle, eagle_step_loss, eagle_eval, eagle_eval_row),
+    "medusa": Objective(build_medusa, medusa_step_loss, medusa_eval, medusa_eval_row),
+}
+
+MEDUSA_TREE_NODES = 16  # verify budget of the static tree stored with Medusa heads (CPU-friendly)
+
+
 def train(cfg: TrainConfig) -> Path:
     """Train heads per `cfg`; returns the folder of the final heads."""
     accelerator = Accelerator(
@@ -114,7 +136,8 @@ def train(cfg: TrainConfig) -> Path:
     eval_loader = DataLoader(eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size,
                              collate_fn=lambda ex: collate(ex, pad))
 
-    head = build_eagle(cfg, target)
+    objective = OBJECTIVES[cfg.recipe]
+    head = objective.build(cfg, target)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
@@ -137,19 +160,19 @@ def train(cfg: TrainConfig) -> Path:
             metrics_file.flush()
         accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
+    last_eval_extra: list = []  # [extra] once an evaluation ran in this process
+
     def evaluate() -> dict:
         head.eval()
         sums: dict[str, torch.Tensor] = {}
         model = accelerator.unwrap_model(head)
         for batch in eval_loader:
-            for k, v in eagle_eval(model, target, batch).items():
+            for k, v in objective.eval_sums(model, target, batch).items():
                 sums[k] = sums.get(k, 0) + v.to(accelerator.device)
         head.train()
-        sums = {k: accelerator.reduce(v, reduction="sum") for k, v in sums.items()}
-        pos = sums["positions"].clamp(min=1)
-        row = {f"eval/top1_step{i + 1}": float(x) for i, x in enumerate(sums["correct_top1"] / pos)}
-        row |= {f"eval/top5_step{i + 1}": float(x) for i, x in enumerate(sums["correct_topk"] / pos)}
-        row["eval/simulated_tau_chain"] = 1.0 + float(sums["accepted"][0] / sums["starts"][0].clamp(min=1))
+        sums = {k: accelerator.reduce(v, reduction="sum").cpu() for k, v in sums.items()}
+        row, extra = objective.eval_row(sums)
+        last_eval_extra[:] = [extra]
         return row
 
     def save_checkpoint() -> None:
@@ -167,7 +190,7 @@ def train(cfg: TrainConfig) -> Path:
         batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
         for batch in batches:
             with accelerator.accumulate(head):
-                loss, stats = eagle_step_loss(head, target, batch, cfg)
+                loss, stats = objective.step_loss(head, target, batch, cfg)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
@@ -198,12 +221,16 @@ def train(cfg: TrainConfig) -> Path:
     bar.close()
 
     final = out / "final"
+    if not last_eval_extra:  # resumed at max_steps: the heads still need their measured accuracies
+        emit({"step": step, **evaluate()})
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(head)
-        vocab = draft_vocabulary(train_ds, cfg.draft_vocab_size, model.config.vocab_size)
-        metrics = _last_eval(out)
-        model.save_pretrained(final, TargetInfo.from_model(target, cfg.target),
-                              extra={"draft_vocab": vocab, "eval": metrics})
+        info = TargetInfo.from_model(target, cfg.target)
+        if cfg.recipe == "medusa":
+            model.save_pretrained(final, info, tree=build_static_tree(last_eval_extra[0], MEDUSA_TREE_NODES))
+        else:
+            vocab = draft_vocabulary(train_ds, cfg.draft_vocab_size, model.config.vocab_size)
+            model.save_pretrained(final, info, extra={"draft_vocab": vocab, "eval": _last_eval(out)})
         log.info("saved heads to %s", final)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -141,4 +141,4 @@ def eagle_loss(
     with torch.no_grad():
         top1 = ((logits.argmax(-1) == target_logits.argmax(-1)).to(m.dtype) * m).sum() / denom
     loss = reg + cls_weight * ce
-    return loss, {"loss_reg": float(reg), "loss_ce": float(ce), "top1": float(top1)}
+    return loss, {"loss_reg": float(reg.detach()), "loss_ce": float(ce.detach()), "top1": float(top1)}

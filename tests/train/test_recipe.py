@@ -84,6 +84,28 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     assert res.stats.drafted > 0
 
 
+def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_inputs, tmp_path):
+    out = tmp_path / "medusa"
+    assert train_main(base_args(tiny_run_inputs, out, "recipe=medusa", "heads.medusa_heads=2", "max_steps=20",
+                                "save_every=20", "optim.lr=0.02")) == 0
+    losses = train_losses(out)
+    assert sum(losses[s] for s in (18, 19, 20)) < 0.9 * sum(losses[s] for s in (1, 2, 3)), losses
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    assert cfg["head_type"] == "medusa" and cfg["config"]["tree"], cfg
+
+    from specheads.inference import Engine
+    from specheads.inference.methods import MethodOptions, make_proposer
+    from specheads.inference.proposers import AutoregressiveProposer
+    from specheads.target import load_target
+
+    target, _ = load_target(str(tiny_run_inputs[0]))
+    prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
+    medusa = Engine(target, make_proposer("medusa", target, MethodOptions(heads=str(out / "final")), None))
+    res = medusa.generate(prompt, max_new_tokens=32)
+    assert res.output_ids == plain.output_ids and res.stats.drafted > 0
+
+
 def test_resume_continues_with_the_same_losses(tiny_run_inputs, tmp_path):
     import shutil
 

@@ -1,0 +1,73 @@
+"""The Medusa-1 objective: heads on the frozen target's last hidden state, trained on the target's own choices."""
+
+from __future__ import annotations
+
+import torch
+
+from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
+from specheads.train.config import TrainConfig
+from specheads.train.features import target_features
+
+EVAL_TOPK = 10  # choices per head whose accuracy is measured (the static tree is built from them)
+
+
+def build_medusa(cfg: TrainConfig, target: torch.nn.Module) -> MedusaHeads:
+    config = MedusaConfig.for_target(target, num_heads=cfg.heads.medusa_heads, num_layers=cfg.heads.medusa_layers,
+                                     own_lm_head=cfg.heads.own_lm_head)
+    return MedusaHeads(config, target.get_output_embeddings())
+
+
+@torch.no_grad()
+def _features_and_labels(target: torch.nn.Module, batch: dict[str, torch.Tensor]):
+    """Features [B, T, H] and labels [B, T] where labels[j] is the target's greedy choice for token j.
+
+    Training on the target's own argmax (self-distillation on the teacher-forced text) teaches the
+    heads what greedy verification will accept, not what the data's authors wrote.
+    """
+    features = target_features(target, batch["input_ids"], batch["attention_mask"])
+    choice = target.get_output_embeddings()(features).argmax(-1)  # [B, T]: prediction for token t+1
+    labels = torch.cat([batch["input_ids"][:, :1], choice[:, :-1]], dim=1)
+    return features, labels
+
+
+def medusa_step_loss(heads: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
+                     cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    features, labels = _features_and_labels(target, batch)
+    mask = batch["loss_mask"] * batch["attention_mask"]
+    loss, accs = medusa_loss(heads(features), labels, mask, decay=cfg.heads.medusa_decay)
+    return loss, {f"top1_head{k}": a for k, a in enumerate(accs)} | {"top1": accs[0]}
+
+
+@torch.no_grad()
+def medusa_eval(heads: MedusaHeads, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sums: hits[k, i] = positions where head k's i-th choice is the target's choice; positions[k]."""
+    features, labels = _features_and_labels(target, batch)
+    mask = (batch["loss_mask"] * batch["attention_mask"]).bool()
+    logits = heads(features)  # [K, B, T, V]
+    num_heads, _, length, _ = logits.shape
+    hits = torch.zeros(num_heads, EVAL_TOPK)
+    positions = torch.zeros(num_heads)
+    for k in range(num_heads):
+        shift = k + 2
+        if length <= shift:
+            continue
+        keep = mask[:, shift:]
+        top = logits[k, :, : length - shift][keep].topk(EVAL_TOPK, dim=-1).indices  # [M, topk]
+        gold = labels[:, shift:][keep]
+        hits[k] += (top == gold[:, None]).float().sum(0).cpu()
+        positions[k] += gold.numel()
+    return {"hits": hits, "positions": positions}
+
+
+def medusa_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], list[list[float]]]:
+    """Metrics for metrics.jsonl and the accuracy table [K][i] the static tree is built from."""
+    acc = (sums["hits"] / sums["positions"].clamp(min=1)[:, None]).tolist()
+    row = {f"eval/top1_head{k}": a[0] for k, a in enumerate(acc)}
+    row |= {f"eval/top5_head{k}": sum(a[:5]) for k, a in enumerate(acc)}
+    # Simulated τ of a top-1 chain if heads erred independently: 1 + Σ_k Π_{j<=k} top1_j.
+    run, tau = 1.0, 1.0
+    for a in acc:
+        run *= a[0]
+        tau += run
+    row["eval/simulated_tau_chain"] = tau
+    return row, acc
