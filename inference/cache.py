@@ -76,7 +76,7 @@ class _GrowableLayer(DynamicLayer):
     def keep(self, start: int, index: torch.Tensor) -> None:
         """Move entries start+index to start..start+len(index), then drop everything after."""
         if self.is_initialized and index.numel():
-            src = index + start
+            src = index.to(self._kbuf.device) + start
             self._kbuf[:, :, start : start + index.numel()] = self._kbuf.index_select(2, src)
             self._vbuf[:, :, start : start + index.numel()] = self._vbuf.index_select(2, src)
         self.truncate(start + index.numel())
@@ -106,7 +106,12 @@ class TreeKVCache(DynamicCache):
         """Keep entries prefix_length + keep (node indices, in order) right after the prefix; drop the rest.
 
         keep [K] long: for a verify forward over tree nodes, the accepted path's node indices.
+        A path that is already in place (0, 1, ..., K-1: plain steps, chains) only truncates.
         """
+        n = keep.numel()
+        if keep.device.type == "cpu" and torch.equal(keep, torch.arange(n)):
+            self.truncate(prefix_length + n)
+            return
         for layer in self.layers:
             layer.keep(prefix_length, keep)
 

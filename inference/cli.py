@@ -21,6 +21,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--depth", type=int, help="draft depth (tokens per branch / tree levels)")
     p.add_argument("--topk", type=int, help="eagle: children per expanded node")
     p.add_argument("--total-tokens", type=int, help="eagle: tree size including the root")
+    p.add_argument("--min-expected-accepted", type=float,
+                   help="eagle: take a plain step when the draft expects fewer accepted tokens (CPU: try 0.7)")
     p.add_argument("--tree", help="medusa: tree preset name or YAML/JSON file of paths")
     p.add_argument("--width", type=int, help="root branches (draft) or candidates (ngram)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -69,7 +71,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         return draft
 
     opts = MethodOptions(draft=args.draft, heads=args.heads, depth=args.depth, width=args.width, tree=args.tree,
-                         topk=args.topk, total_tokens=args.total_tokens, device=args.device, dtype=args.dtype)
+                         topk=args.topk, total_tokens=args.total_tokens, min_expected=args.min_expected_accepted,
+                         device=args.device, dtype=args.dtype)
     engine = Engine(model, make_proposer(args.method, model, opts, load_draft))
     stops = stop_token_ids(tokenizer, model)
 

@@ -181,7 +181,7 @@ class Engine:
             prefix = cache.seq_length
             out = tree_forward(self.model, cache, tree, output_hidden_states=needs_hidden)
             result = verify(tree, out.logits[0], sampling, generator)
-            cache.commit(prefix, result.path.to(self.device))
+            cache.commit(prefix, result.path)
             new = result.tokens.tolist()
             stats.record_step(tree.num_drafted, result.num_accepted)
             for i, tok in enumerate(new):

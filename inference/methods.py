@@ -24,6 +24,7 @@ class MethodOptions:
     tree: str | None = None  # tree preset / file for medusa
     topk: int | None = None  # eagle: children per expanded node
     total_tokens: int | None = None  # eagle: tree size including the root
+    min_expected: float | None = None  # eagle: plain step when the draft expects fewer accepted tokens
     depth: int | None = None  # draft depth (proposer default when None)
     width: int | None = None  # branches at the root for `draft`, candidates for `ngram`
     device: str = "cpu"
@@ -73,7 +74,9 @@ def _eagle(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader
     head = EagleHead.from_pretrained(opts.heads, target)
     defaults = EagleTreeConfig()
     tree = EagleTreeConfig(depth=opts.depth or defaults.depth, topk=opts.topk or defaults.topk,
-                           total_tokens=opts.total_tokens or defaults.total_tokens)
+                           total_tokens=opts.total_tokens or defaults.total_tokens,
+                           min_expected_accepted=opts.min_expected if opts.min_expected is not None
+                           else defaults.min_expected_accepted)
     vocab = head.saved_config.get("draft_vocab")
     return EagleProposer(head, tree, draft_vocab=None if vocab is None else torch.tensor(vocab, dtype=torch.long))
 

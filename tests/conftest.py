@@ -40,6 +40,16 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 3) -> torch
     return draft
 
 
+@pytest.fixture
+def one_thread():
+    """For tests made of thousands of tiny tensor ops: intra-op threads only add synchronisation
+    (and stall badly when another process holds the other core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def arch(request) -> str:
     return request.param

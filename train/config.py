@@ -66,6 +66,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     save_every: int = 100
+    features: str = "online"  # "online": the target runs inside each step; "offline": cached once to disk, reused
+    feature_dtype: str = "bfloat16"  # storage dtype of the offline cache
+    feature_cache_dir: str | None = None  # default: OUTPUT_DIR/features
     draft_vocab_size: int | None = 8192  # most frequent training tokens the draft LM head scores (None: all)
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
@@ -80,6 +83,8 @@ class TrainConfig:
             raise ValueError(f"report_to must be 'none' or 'wandb', got {self.report_to!r}")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.features not in ("online", "offline"):
+            raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

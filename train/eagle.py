@@ -6,7 +6,7 @@ import torch
 
 from specheads.heads.eagle import EagleConfig, EagleHead, eagle_loss
 from specheads.train.config import TrainConfig
-from specheads.train.features import target_features
+from specheads.train.features import batch_features
 
 
 def build_eagle(cfg: TrainConfig, target: torch.nn.Module) -> EagleHead:
@@ -30,7 +30,7 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
                     cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """1. Target features (no grad). 2. Noisy features in, predicted next features out.
     3. SmoothL1 + soft CE on the positions that count, gathered so the LM head only sees those."""
-    features = target_features(target, batch["input_ids"], batch["attention_mask"])
+    features = batch_features(target, batch)
     tokens, feats, positions, counts = _inputs(batch, features)
     if cfg.heads.feature_noise > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * 2 * cfg.heads.feature_noise
@@ -52,7 +52,7 @@ def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.
     Returns tensors so callers can reduce across processes: correct_top1 [steps], correct_topk [steps],
     positions [steps], accepted (sum of leading correct steps per start position), starts.
     """
-    features = target_features(target, batch["input_ids"], batch["attention_mask"])
+    features = batch_features(target, batch)
     tokens, feats, positions, counts = _inputs(batch, features)
     target_next = head.logits(features[:, 1:]).argmax(-1)  # [B, T-1]: target's choice after position t+1
     top1 = torch.zeros(steps)

@@ -8,6 +8,13 @@ from torch import nn
 from specheads.hf import decoder_of
 
 
+def batch_features(target: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # [B, T, H]
+    """Features from the batch when they were cached offline, else computed by the target now."""
+    if "features" in batch:
+        return batch["features"].to(next(target.parameters()).dtype)
+    return target_features(target, batch["input_ids"], batch["attention_mask"])
+
+
 @torch.no_grad()
 def target_features(
     target: nn.Module,

@@ -6,7 +6,7 @@ import torch
 
 from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from specheads.train.config import TrainConfig
-from specheads.train.features import target_features
+from specheads.train.features import batch_features
 
 EVAL_TOPK = 10  # choices per head whose accuracy is measured (the static tree is built from them)
 
@@ -24,7 +24,7 @@ def _features_and_labels(target: torch.nn.Module, batch: dict[str, torch.Tensor]
     Training on the target's own argmax (self-distillation on the teacher-forced text) teaches the
     heads what greedy verification will accept, not what the data's authors wrote.
     """
-    features = target_features(target, batch["input_ids"], batch["attention_mask"])
+    features = batch_features(target, batch)
     choice = target.get_output_embeddings()(features).argmax(-1)  # [B, T]: prediction for token t+1
     labels = torch.cat([batch["input_ids"][:, :1], choice[:, :-1]], dim=1)
     return features, labels

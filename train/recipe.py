@@ -29,7 +29,6 @@ from transformers import get_cosine_schedule_with_warmup
 from specheads.config import save_config, to_dict
 from specheads.heads.checkpoint import TargetInfo
 from specheads.target import load_target
-from specheads.trees import build_static_tree
 from specheads.train.config import TrainConfig
 from specheads.train.data import (
     collate,
@@ -39,7 +38,9 @@ from specheads.train.data import (
     tokenize_dataset,
 )
 from specheads.train.eagle import build_eagle, eagle_eval, eagle_eval_row, eagle_step_loss
+from specheads.train.feature_cache import FeatureCache, collate_with_features, write_feature_cache
 from specheads.train.medusa import build_medusa, medusa_eval, medusa_eval_row, medusa_step_loss
+from specheads.trees import build_static_tree
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,17 @@ def _mixed_precision(cfg: TrainConfig) -> str:
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def _offline_collates(cfg: TrainConfig, accelerator: Accelerator, target, train_ds, eval_ds, pad: int):
+    """Build (once, on the main process) and open the feature caches; collates that read from them."""
+    root = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
+    with accelerator.main_process_first():
+        if accelerator.is_main_process:
+            for name, ds in (("train", train_ds), ("eval", eval_ds)):
+                write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target, dtype=cfg.feature_dtype)
+    train_cache, eval_cache = FeatureCache(root / "train"), FeatureCache(root / "eval")
+    return (lambda ex: collate_with_features(ex, pad, train_cache)), (lambda ex: collate_with_features(ex, pad, eval_cache))
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -129,12 +141,16 @@ def train(cfg: TrainConfig) -> Path:
     train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.seed)
     eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
     log.info("data: %s; %d train / %d eval conversations", report, len(train_ds), len(eval_ds))
-    columns = ["input_ids", "loss_mask"]
     pad = pad_token_id(tokenizer)
+    train_collate, eval_collate = (lambda ex: collate(ex, pad)), (lambda ex: collate(ex, pad))
+    if cfg.features == "offline":
+        train_collate, eval_collate = _offline_collates(cfg, accelerator, target, train_ds, eval_ds, pad)
+    columns = ["input_ids", "loss_mask", "row"]
+    train_ds = train_ds.add_column("row", list(range(len(train_ds))))
+    eval_ds = eval_ds.add_column("row", list(range(len(eval_ds))))
     loader = DataLoader(train_ds.select_columns(columns), batch_size=cfg.optim.batch_size, shuffle=True,
-                        collate_fn=lambda ex: collate(ex, pad), generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = DataLoader(eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size,
-                             collate_fn=lambda ex: collate(ex, pad))
+                        collate_fn=train_collate, generator=torch.Generator().manual_seed(cfg.seed))
+    eval_loader = DataLoader(eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size, collate_fn=eval_collate)
 
     objective = OBJECTIVES[cfg.recipe]
     head = objective.build(cfg, target)
@@ -203,7 +219,7 @@ def train(cfg: TrainConfig) -> Path:
                 continue
             step += 1
             bar.update(1)
-            last = {"step": step, "loss": float(loss), **stats, "lr": scheduler.get_last_lr()[0]}
+            last = {"step": step, "loss": float(loss.detach()), **stats, "lr": scheduler.get_last_lr()[0]}
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 elapsed = time.perf_counter() - window_start
                 emit({**last, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9), "epoch": epoch})

@@ -12,6 +12,7 @@ text, fed with the *target's* features after each verification. Each step:
 3. Rerank: keep the `total_tokens - 1` best nodes by score (ancestor-closed, since a
    child never scores above its parent), in breadth-first order.
 4. Roll the head cache back to the committed pairs: drafted entries never survive.
+5. Optionally fall back to a plain step when the draft itself expects too little to be accepted.
 
 Drafts are deterministic top-k choices, so verification is exact for greedy and
 sampling alike (the verifier treats each draft as one-hot).
@@ -20,6 +21,7 @@ sampling alike (the verifier treats each draft as one-hot).
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,9 @@ class EagleTreeConfig:
     depth: int = 5  # draft levels
     topk: int = 4  # children per expanded node, and nodes expanded per level
     total_tokens: int = 12  # tree size including the root (bounds the verify cost)
+    # Draft only when the tree's expected accepted tokens (Σ of node probabilities under the draft) reach this;
+    # otherwise take a plain step. Worth it where a multi-token verify costs much more than a one-token step (CPU).
+    min_expected_accepted: float = 0.0
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1 or self.total_tokens < 2:
@@ -149,6 +154,10 @@ class EagleProposer:
                 break
             if parents[n] in keep:
                 keep.add(n)
+        if cfg.min_expected_accepted > 0:
+            expected = sum(math.exp(scores[n]) for n in keep if n)
+            if expected < cfg.min_expected_accepted:
+                return DraftTree.root_only(root)
         chosen = sorted(keep, key=lambda n: (node_depth[n], -scores[n]))
         index = {n: i for i, n in enumerate(chosen)}
         return DraftTree(

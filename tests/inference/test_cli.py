@@ -130,3 +130,9 @@ def test_console_script_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "specheads.inference.cli", "generate", "--prompt", "x",
                            "--max-new-tokens", "4", "--method", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown method 'nope'" in proc.stderr
+
+
+def test_specheads_train_forwards_to_the_recipe():
+    proc = subprocess.run([sys.executable, "-m", "specheads.inference.cli", "train", "max_step=3"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "did you mean 'max_steps'" in proc.stderr

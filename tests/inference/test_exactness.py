@@ -50,13 +50,7 @@ P08 = SamplingParams(temperature=1.0, top_p=0.8)
 Verifier = Callable[[DraftTree, torch.Tensor, SamplingParams, torch.Generator], list[int]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Hundreds of thousands of tiny tensor ops: intra-op threads only add synchronisation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the simulated speculative step -------------------------------------------------------------

@@ -12,13 +12,7 @@ from specheads.inference.verifier import VerifyResult, verify, verify_greedy, ve
 VOCAB = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Thousands of tiny tensor ops: intra-op threads only add synchronisation (and stall on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- references ---------------------------------------------------------------------------------

@@ -60,10 +60,11 @@ def train_losses(out: Path) -> dict[int, float]:
 
 def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_path):
     out = tmp_path / "run"
-    assert train_main(base_args(tiny_run_inputs, out, "max_steps=24", "save_every=24", "eval_every=12")) == 0
+    assert train_main(base_args(tiny_run_inputs, out, "max_steps=24", "save_every=24", "eval_every=12",
+                                "optim.lr=0.01")) == 0
     losses = train_losses(out)
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (22, 23, 24)) / 3
-    assert last < 0.8 * first, losses
+    assert last < 0.85 * first, losses
     evals = [r for r in metrics(out) if "eval/top1_step1" in r]
     assert [r["step"] for r in evals] == [12, 24] and "eval/simulated_tau_chain" in evals[-1]
     cfg = json.loads((out / "final" / "config.json").read_text())
@@ -119,6 +120,17 @@ def test_resume_continues_with_the_same_losses(tiny_run_inputs, tmp_path):
     a, b = train_losses(full), train_losses(part)
     for step in range(8, 15):  # steps 8.. cross an epoch boundary (11 batches per epoch)
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+
+
+def test_offline_features_train_like_online(tiny_run_inputs, tmp_path):
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    assert train_main(base_args(tiny_run_inputs, online, "max_steps=6", "save_every=6")) == 0
+    assert train_main(base_args(tiny_run_inputs, offline, "max_steps=6", "save_every=6", "features=offline",
+                                "feature_dtype=float32")) == 0
+    assert (offline / "features" / "train" / "index.json").is_file()
+    a, b = train_losses(online), train_losses(offline)
+    for step in range(1, 7):
+        assert b[step] == pytest.approx(a[step], rel=1e-4), step
 
 
 def test_resume_with_a_changed_model_config_is_refused(tiny_run_inputs, tmp_path, capsys):

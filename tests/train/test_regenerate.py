@@ -1,0 +1,55 @@
+"""Self-distillation: the target's own answers replace assistant turns; shards resume."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from specheads.train.data import load_conversations
+from specheads.train.regenerate import main, regenerate
+
+
+def write_conversations(path, n: int = 5) -> None:
+    rows = [{"conversations": [{"from": "human", "value": f"w{5 + i} w{6 + i} w7"}, {"from": "gpt", "value": "w50 w51"},
+                               {"from": "human", "value": "w9 w10"}, {"from": "gpt", "value": "w60"}]} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_regenerated_turns_are_the_targets_greedy_answers(tiny_model_dir, tmp_path):
+    from specheads.target import load_target
+
+    data = tmp_path / "conv.jsonl"
+    write_conversations(data)
+    out = tmp_path / "regen"
+    assert main(["--target", str(tiny_model_dir), "--source", str(data), "--output", str(out), "--max-new-tokens", "6",
+                 "--batch-size", "2", "--shard-size", "2"]) == 0
+    rows = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and sorted(p.name for p in out.glob("shard_*.jsonl")) == [f"shard_0000{k}.jsonl" for k in range(3)]
+    model, tok = load_target(str(tiny_model_dir))
+    first = rows[0]["messages"]
+    assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
+    assert first[0]["content"] == "w5 w6 w7" and first[1]["content"] != "w50 w51"
+    # The first answer is exactly what greedy decoding of the target gives for the first user turn.
+    ids = tok(tok.apply_chat_template(first[:1], add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=[2], pad_token_id=2)
+    assert tok.decode(greedy[0, len(ids):], skip_special_tokens=True).strip() == first[1]["content"]
+    # The output is valid training data.
+    ds, report = load_conversations(str(out / "conversations.jsonl"))
+    assert report.kept == 5
+
+
+def test_rerun_skips_finished_shards(tiny_model_dir, tmp_path):
+    from specheads.target import load_target
+
+    data = tmp_path / "conv.jsonl"
+    write_conversations(data, n=4)
+    model, tok = load_target(str(tiny_model_dir))
+    convs = load_conversations(str(data))[0]["messages"]
+    out = tmp_path / "regen"
+    regenerate(model, tok, convs, out, shard_size=2, batch_size=2, max_new_tokens=4, stop_ids=[2])
+    kept = (out / "shard_00000.jsonl").stat().st_mtime_ns
+    (out / "shard_00001.jsonl").unlink()  # as if the job died while writing the second shard
+    regenerate(model, tok, convs, out, shard_size=2, batch_size=2, max_new_tokens=4, stop_ids=[2])
+    assert (out / "shard_00000.jsonl").stat().st_mtime_ns == kept
+    assert len((out / "conversations.jsonl").read_text().splitlines()) == 4

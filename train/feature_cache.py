@@ -1,0 +1,126 @@
+"""Offline features: the target's hidden states cached to safetensors shards, reused across epochs.
+
+Online training runs the frozen target inside every step; offline training runs it once per
+conversation and reads features back from disk (memory-mapped), which pays off from the second
+epoch on and frees the accelerator from the target during training. Both produce the same batches.
+
+Layout: `DIR/index.json` ({"hidden_size", "dtype", "examples": [[shard, offset, length], ...],
+"fingerprint"}) and `DIR/shard_00000.safetensors` ... each holding one tensor `features` [tokens, H].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from specheads.train.data import collate
+from specheads.train.features import target_features
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def fingerprint(input_ids: Sequence[Sequence[int]], target_name: str) -> str:
+    h = hashlib.sha1(target_name.encode())
+    for ids in input_ids:
+        h.update(json.dumps(ids).encode())
+    return h.hexdigest()
+
+
+def write_feature_cache(
+    target: torch.nn.Module,
+    input_ids: Sequence[Sequence[int]],
+    out_dir: str | Path,
+    *,
+    target_name: str,
+    dtype: str = "bfloat16",
+    shard_tokens: int = 1 << 20,
+) -> Path:
+    """Compute and store features for every example; a complete cache for the same data is reused as is."""
+    if dtype not in DTYPES:
+        raise ValueError(f"feature dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    fp = fingerprint(input_ids, target_name)
+    index_path = out / "index.json"
+    if index_path.is_file() and json.loads(index_path.read_text()).get("fingerprint") == fp:
+        log.info("reusing the feature cache in %s", out)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    hidden = target.config.get_text_config().hidden_size
+    total = sum(len(ids) for ids in input_ids)
+    size = total * hidden * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    log.info("feature cache: %d tokens x %d x %s = %.2f GB in %s", total, hidden, dtype, size / 1e9, out)
+    device = next(target.parameters()).device
+    examples: list[list[int]] = []
+    pending: list[torch.Tensor] = []
+    pending_tokens, shard = 0, 0
+
+    def flush() -> None:
+        nonlocal pending, pending_tokens, shard
+        if pending:
+            tmp = out / f"shard_{shard:05d}.safetensors.tmp"
+            save_file({"features": torch.cat(pending).contiguous()}, str(tmp))
+            os.replace(tmp, out / f"shard_{shard:05d}.safetensors")
+            shard += 1
+        pending, pending_tokens = [], 0
+
+    for ids in tqdm(input_ids, desc="caching features", unit="conv"):
+        x = torch.tensor([ids], device=device)
+        feats = target_features(target, x, torch.ones_like(x))[0].to("cpu", DTYPES[dtype])  # [T, H]
+        examples.append([shard, pending_tokens, len(ids)])
+        pending.append(feats)
+        pending_tokens += len(ids)
+        if pending_tokens >= shard_tokens:
+            flush()
+    flush()
+    # The index goes last: a cache without it is incomplete and gets rebuilt.
+    tmp = out / "index.json.tmp"
+    tmp.write_text(json.dumps({"hidden_size": hidden, "dtype": dtype, "fingerprint": fp, "examples": examples}))
+    os.replace(tmp, index_path)
+    return out
+
+
+class FeatureCache:
+    """Reads one example's features [T, H] from the memory-mapped shards."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index_path = self.path / "index.json"
+        if not index_path.is_file():
+            raise ValueError(f"no feature cache in {self.path} (index.json missing); run with features=offline to build it")
+        index = json.loads(index_path.read_text())
+        self.examples: list[list[int]] = index["examples"]
+        self.hidden_size: int = index["hidden_size"]
+        self._files: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        shard, offset, length = self.examples[i]
+        if shard not in self._files:
+            self._files[shard] = safe_open(str(self.path / f"shard_{shard:05d}.safetensors"), framework="pt")
+        return self._files[shard].get_slice("features")[offset : offset + length]
+
+
+def collate_with_features(examples: Sequence[Mapping[str, Any]], pad_id: int, cache: FeatureCache) -> dict[str, torch.Tensor]:
+    """`collate` plus `features` [B, T, H] (fp32, zeros on padding) read from the cache by example `row` index."""
+    batch = collate(examples, pad_id)
+    b, t = batch["input_ids"].shape
+    feats = torch.zeros(b, t, cache.hidden_size)
+    for r, e in enumerate(examples):
+        f = cache[int(e["row"])]
+        feats[r, : f.shape[0]] = f.float()
+    batch["features"] = feats
+    return batch
