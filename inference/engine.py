@@ -133,9 +133,10 @@ class Engine:
     ) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt; `on_tokens` receives each step's new tokens.
 
-        1. Prefill the prompt minus its last token; that token is the first tree root.
-        2. Each step: propose a tree, verify it in one target forward, commit the accepted
-           path in the cache, and hand the result back to the proposer.
+        1. Prefill the whole prompt; its last token is the first (root-only) tree, so the prefill
+           forward is step 1 and yields the first token.
+        2. Each further step: propose a tree rooted at the last committed token, verify it in one
+           target forward, commit the accepted path in the cache, hand the result to the proposer.
         3. Stop at a stop token (kept in the output), max_new_tokens, or the model's context length.
         """
         start = time.perf_counter()
@@ -167,20 +168,19 @@ class Engine:
                                    sampling=sampling, generator=generator)
 
         cache = TreeKVCache(self.model.config, capacity=limit + 16)
-        prefill_hidden = None
-        if n_prompt > 1:
-            out = self.model(input_ids=prompt[None, :-1].to(self.device), **cache_kwargs(self.model, cache),
-                             logits_to_keep=1, output_hidden_states=needs_hidden)
-            prefill_hidden = out.hidden_states if needs_hidden else None
-        self.proposer.start(context(), prefill_hidden)
+        # Step 1 is the prefill itself: one forward over the whole prompt, whose last token is the first
+        # (root-only) tree, gives the first token. Proposers start from the prompt's other positions.
+        out = self.model(input_ids=prompt[None].to(self.device), **cache_kwargs(self.model, cache),
+                         logits_to_keep=1, output_hidden_states=needs_hidden)
+        hidden = out.hidden_states if needs_hidden else None
+        self.proposer.start(context(), tuple(h[:, :-1] for h in hidden) if hidden and n_prompt > 1 else None)
+        hidden = tuple(h[:, -1:] for h in hidden) if hidden else None
+        tree = DraftTree.root_only(int(prompt[-1]))
+        prefix = n_prompt - 1
 
         output: list[int] = []
         while True:
-            ctx = context()
-            tree = self.proposer.propose(ctx).truncated(ctx.max_depth)
-            prefix = cache.seq_length
-            out = tree_forward(self.model, cache, tree, output_hidden_states=needs_hidden)
-            result = verify(tree, out.logits[0], sampling, generator)
+            result = verify(tree, out.logits[0, -tree.size :], sampling, generator)
             cache.commit(prefix, result.path)
             new = result.tokens.tolist()
             stats.record_step(tree.num_drafted, result.num_accepted)
@@ -202,7 +202,12 @@ class Engine:
                 on_tokens(new)
             if stats.finish_reason:
                 break
-            self.proposer.on_verified(result, out.hidden_states if needs_hidden else None)
+            self.proposer.on_verified(result, hidden)
+            ctx = context()
+            tree = self.proposer.propose(ctx).truncated(ctx.max_depth)
+            prefix = cache.seq_length
+            out = tree_forward(self.model, cache, tree, output_hidden_states=needs_hidden)
+            hidden = out.hidden_states if needs_hidden else None
         stats.new_tokens = len(output)
         stats.wall_s = time.perf_counter() - start
         return GenerationResult(output_ids=output, stats=stats)

@@ -26,10 +26,12 @@ class Proposer(Protocol):
     """Drafts a tree of tokens rooted at the last committed token.
 
     `start` is called once per generation after the prompt prefill, `propose` once per
-    step, and `on_verified` after the target has verified the tree. When
-    `needs_target_hidden` is set, both receive the target's hidden states (HF
-    `hidden_states`: one [1, n, H] tensor per layer, embeddings first) over the
-    prefilled prompt and over the tree nodes respectively; otherwise None.
+    step, and `on_verified` after the target has verified each tree (the prefill is the
+    first, root-only, step: its root is the prompt's last token). When
+    `needs_target_hidden` is set, `start` receives the target's hidden states (HF
+    `hidden_states`: one [1, n, H] tensor per layer, embeddings first) over the prompt
+    minus its last token (None for a one-token prompt), and `on_verified` those over
+    the verified tree's nodes; otherwise None.
     """
 
     needs_target_hidden: bool

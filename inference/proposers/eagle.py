@@ -77,7 +77,10 @@ class EagleProposer:
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         assert target_hidden is not None
         feats = target_hidden[-1][0, result.path.to(target_hidden[-1].device)]  # [A+1, H]
-        self._pending = (feats, result.tokens.to(self.device))
+        toks = result.tokens.to(self.device)
+        if self._pending is not None:  # pairs from start() not fed yet: the prefill step drafted nothing
+            feats, toks = torch.cat([self._pending[0], feats]), torch.cat([self._pending[1], toks])
+        self._pending = (feats, toks)
 
     # -- drafting -------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
 
 
 def proposers(target, arch):
-    yield "ngram", NgramProposer(NgramConfig())
+    yield "ngram", NgramProposer(NgramConfig(min_ngram=1))  # random tiny models rarely repeat 2-grams
     yield "ngram-wide", NgramProposer(NgramConfig(num_candidates=5, depth=6, max_nodes=20, min_ngram=1))
     draft = perturbed_copy(target, noise=0.05)
     yield "draft-chain", DraftModelProposer(draft, DraftConfig(depth=4), target_vocab_size=96)
