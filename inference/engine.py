@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ def tree_forward(
     )
 
 
-_checked_models: set[int] = set()
+_checked_models: weakref.WeakSet = weakref.WeakSet()  # models that passed; weak so ids are never reused
 
 
 @torch.inference_mode()
@@ -84,7 +85,7 @@ def check_tree_attention(model: PreTrainedModel) -> None:
     a plain sequential forward over [prefix, root, sibling]; a model that lets siblings
     see each other (or ignores positions) disagrees.
     """
-    if id(model) in _checked_models:
+    if model in _checked_models:
         return
     device = model_device(model)
     vocab = model.config.get_text_config().vocab_size
@@ -108,7 +109,7 @@ def check_tree_attention(model: PreTrainedModel) -> None:
             "tree node differ from a sequential forward), so speculative outputs would be wrong. "
             "Load it with attn_implementation='sdpa' or 'eager', or use method 'ar'"
         )
-    _checked_models.add(id(model))
+    _checked_models.add(model)
 
 
 class Engine:
