@@ -7,7 +7,6 @@ like with like.
 
 from __future__ import annotations
 
-import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -22,8 +21,6 @@ from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import verify
-
-log = logging.getLogger(__name__)
 
 TargetHidden = tuple[torch.Tensor, ...]  # one [1, N, H] tensor per layer (embeddings first), HF's hidden_states
 

@@ -7,6 +7,7 @@ and siblings are distinct tokens. A chain is a tree with one child per node.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,17 @@ class DraftTree:
         n = tokens.shape[0]
         parents = torch.arange(-1, n - 1, dtype=torch.long, device=tokens.device)
         return cls(tokens=tokens, parents=parents, draft_probs=draft_probs)
+
+    def with_tokens(self, tokens: torch.Tensor) -> DraftTree:
+        """This tree's shape with new token ids [N], skipping the per-node set-up (for static trees).
+
+        copy.copy does not call __init__, so the derived fields (depths, ancestors, children) are
+        shared with this tree; a frozen DraftTree never mutates them.
+        """
+        assert tokens.shape == self.tokens.shape, (tokens.shape, self.tokens.shape)
+        tree = copy.copy(self)
+        object.__setattr__(tree, "tokens", tokens)
+        return tree
 
     @property
     def size(self) -> int:

@@ -10,7 +10,6 @@ here and each step only gathers token ids. Drafts are deterministic top-k, so
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 
@@ -85,7 +84,7 @@ class MedusaProposer:
             return DraftTree.root_only(root)
         n = self._kept[cap]
         tokens = torch.cat([root.reshape(1).to(torch.long), self._topk[self._gather[: n - 1]]])  # [n]
-        return self._with_tokens(self._template(cap), tokens)
+        return self._template(cap).with_tokens(tokens)
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         assert target_hidden is not None, "the engine must pass hidden states when needs_target_hidden is set"
@@ -97,18 +96,6 @@ class MedusaProposer:
             n = self._kept[cap]
             tree = DraftTree(tokens=torch.zeros(n, dtype=torch.long), parents=self._parents[:n].clone())
             self._templates[cap] = tree
-        return tree
-
-    @staticmethod
-    def _with_tokens(template: DraftTree, tokens: torch.Tensor) -> DraftTree:
-        """The template's structure with new token ids, skipping DraftTree's per-node Python set-up.
-
-        copy.copy restores the instance dict without calling __init__, so the derived fields
-        (depths, ancestors, children) are shared with the template; they are never mutated.
-        """
-        assert tokens.shape == template.tokens.shape, (tokens.shape, template.tokens.shape)
-        tree = copy.copy(template)
-        object.__setattr__(tree, "tokens", tokens)
         return tree
 
 
