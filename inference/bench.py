@@ -1,140 +1,218 @@
 """Methods side by side on the same questions, interleaved per question so machine drift hits all alike.
 
-Method specs: `ar`, `hf` (transformers `generate`), `ngram`, `draft:PATH`,
-`draft:early-exit:N`, `eagle:HEADS_DIR`, `medusa:HEADS_DIR`. Every method answers the same rendered prompt; for greedy
-runs each output is compared with `ar`'s (the exactness check).
+Method specs: the engine methods of `specheads.inference.methods.METHODS` (`ar`, `ngram`,
+`draft:PATH`, `draft:early-exit:N`, `eagle:HEADS_DIR`, `medusa:HEADS_DIR`, ...) and the
+transformers baselines `hf` (`generate`), `hf-assisted:PATH` (assisted generation with a draft
+model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Every method answers the same
+rendered prompt; on a second turn each method sees its own first answer. For greedy runs each
+output is compared with `ar`'s (the exactness check).
+
+Running lives here; tables, files, plots and W&B live in `bench_report.py`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
 from specheads.inference.engine import Engine
 from specheads.inference.methods import METHODS, DraftLoader, MethodOptions, make_proposer
+from specheads.inference.proposers.base import Proposer
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.questions import Question
+from specheads.target import render_chat
 
-BASELINES = ("hf",)
+BASELINES = ("hf", "hf-assisted", "hf-pld")
+_NO_ARG = ("ar", "ngram", "hf")
+PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
+
+
+def valid_methods() -> list[str]:
+    return [*METHODS, *BASELINES]
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    name: str  # as given, e.g. "draft:early-exit:8"
+    name: str  # as given, e.g. "draft:early-exit:8"; the key of every record and table row
     method: str  # "ar", "hf", "ngram", "draft", ...
-    arg: str | None = None  # draft model for draft, heads folder for medusa/eagle
+    arg: str | None = None  # draft model, heads folder, assistant model, or hf-pld draft length
 
 
 def parse_methods(spec: str) -> list[MethodSpec]:
     """'ar,hf,ngram,draft:early-exit:8' -> specs; unknown names list the valid ones."""
-    out = []
+    out: list[MethodSpec] = []
     for name in (s.strip() for s in spec.split(",")):
         if not name:
             continue
         method, _, arg = name.partition(":")
         if method not in METHODS and method not in BASELINES:
-            raise ValueError(f"unknown method {method!r} in --methods; valid: {', '.join([*METHODS, *BASELINES])}")
-        if method in ("draft", "eagle", "medusa") and not arg:
-            raise ValueError(f"{method} needs a path: {method}:PATH" + (" or draft:early-exit:N" if method == "draft" else ""))
+            raise ValueError(f"unknown method {method!r} in --methods; valid: {', '.join(valid_methods())}")
+        if method in _NO_ARG and arg:
+            raise ValueError(f"method {method} takes no argument, got {name!r}")
+        if method == "hf-pld" and arg and not (arg.isdigit() and int(arg) >= 1):
+            raise ValueError(f"{name}: the hf-pld argument is the draft length N >= 1, e.g. hf-pld:10")
+        if method not in _NO_ARG and method != "hf-pld" and not arg:
+            hint = " or draft:early-exit:N" if method == "draft" else ""
+            raise ValueError(f"method {method} needs a path: {method}:PATH{hint}")
+        if any(s.name == name for s in out):
+            raise ValueError(f"method {name!r} is listed twice in --methods")
         out.append(MethodSpec(name=name, method=method, arg=arg or None))
     if not out:
         raise ValueError("--methods is empty; e.g. --methods ar,hf,ngram")
     return out
 
 
-@dataclass
-class Record:
-    question_id: int | str
-    category: str
-    method: str
-    output_ids: list[int]
-    stats: GenerationStats
-    matches_ar: bool | None = None  # greedy runs only
-    first_mismatch: int | None = None
+class Runner(Protocol):
+    """One method behind one call; `measures_tau` is False where the steps are not visible (HF)."""
+
+    measures_tau: bool
+
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]: ...
 
 
-@dataclass
-class MethodSummary:
-    method: str
-    questions: int
-    new_tokens: int
-    wall_s: float
-    tokens_per_s: float  # total new tokens / total wall time
-    speedup_vs_ar: float | None  # median over questions of per-question (tok/s) ratios
-    speedup_vs_hf: float | None
-    tau: float  # mean over questions
-    acceptance_rate: float
-    ttft_s: float  # median
-    exact_matches: str = ""  # "k/n" for greedy runs
-    extra: dict = field(default_factory=dict)
+class _EngineRunner:
+    measures_tau = True
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
+        res = self.engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                   stop_token_ids=stop_token_ids)
+        return res.output_ids, res.stats
+
+
+class _FirstTokenTimer(BaseStreamer):
+    """HF `generate` pushes the prompt first, then each step's new tokens: the second push is the first token."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.pushes = 0
+        self.ttft_s = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.pushes += 1
+        if self.pushes == 2:
+            self.ttft_s = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
 
 
 class _HFGenerate:
-    """transformers `generate` as the external baseline, timed the same way as the engine."""
+    """transformers `generate` (plain, assisted or prompt lookup) as an external baseline, timed like the engine.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    Its steps are hidden inside `generate`, so it reports no τ or acceptance (steps stay 0).
+    """
+
+    measures_tau = False
+
+    def __init__(self, model: PreTrainedModel, *, assistant: PreTrainedModel | None = None,
+                 prompt_lookup_tokens: int | None = None) -> None:
         self.model = model
+        self.extra: dict = {}
+        if assistant is not None:
+            self.extra["assistant_model"] = assistant
+        if prompt_lookup_tokens is not None:
+            self.extra["prompt_lookup_num_tokens"] = prompt_lookup_tokens
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams, stop_token_ids: list[int]):
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)  # HF samples from the global RNG; reseed so every question starts alike
         start = time.perf_counter()
+        timer = _FirstTokenTimer(start)
         ids = torch.tensor([prompt], device=self.model.device)
         kwargs = dict(do_sample=False) if sampling.greedy else dict(
             do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  eos_token_id=stop_token_ids or None, pad_token_id=(stop_token_ids or [0])[0], **kwargs)
+                                  eos_token_id=stop_token_ids or None, pad_token_id=(stop_token_ids or [0])[0],
+                                  streamer=timer, **kwargs, **self.extra)
         new = out[0, len(prompt):].tolist()
-        stats = GenerationStats(new_tokens=len(new), steps=len(new), wall_s=time.perf_counter() - start,
+        stats = GenerationStats(new_tokens=len(new), wall_s=time.perf_counter() - start, ttft_s=timer.ttft_s,
                                 finish_reason="stop" if new and new[-1] in stop_token_ids else "length")
         return new, stats
 
 
+def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader) -> dict[str, Runner]:
+    """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here."""
+    runners: dict[str, Runner] = {}
+    for spec in specs:
+        if spec.method == "hf":
+            runners[spec.name] = _HFGenerate(target)
+        elif spec.method == "hf-assisted":
+            runners[spec.name] = _HFGenerate(target, assistant=load_draft(spec.arg))
+        elif spec.method == "hf-pld":
+            runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
+        else:
+            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg)
+            runners[spec.name] = _EngineRunner(Engine(target, make_proposer(spec.method, target, opts, load_draft)))
+    return runners
+
+
+@dataclass
+class Record:
+    question_id: int | str
+    category: str
+    turn: int  # 1-based
+    method: str
+    prompt_ids: list[int]  # the rendered prompt this method answered (its own history on turn 2)
+    output_ids: list[int]
+    stats: GenerationStats
+    measures_tau: bool = True  # False for HF baselines: τ and acceptance are unknown, not 0
+    matches_ar: bool | None = None  # greedy runs only
+    first_mismatch: int | None = None  # first output position that differs from ar's
+
+
 def run_bench(
-    target: PreTrainedModel,
-    specs: list[MethodSpec],
-    questions: list[Question],
-    render: Callable[[Question], list[int]],
+    runners: dict[str, Runner],
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
     stop_token_ids: list[int],
-    load_draft: DraftLoader,
+    turns: int = 1,
     warmup: int = 1,
 ) -> Iterator[Record]:
-    """Yield one Record per (question, method), methods interleaved within each question.
+    """Yield one Record per (question, method, turn), methods interleaved within each question.
 
-    `warmup` questions are first run once per method and discarded (allocator and kernel warm-up).
+    1. Run the first `warmup` questions' first turn once per method and discard them (allocator and
+       kernel warm-up, HF's lazy set-up).
+    2. For each question, for each method: answer turn 1; for turn 2 render [user 1, the method's own
+       answer 1, user 2] with the chat template and answer that.
     """
-    runners = {}
-    for spec in specs:
-        if spec.method == "hf":
-            runners[spec.name] = _HFGenerate(target)
-        else:
-            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg)
-            proposer = make_proposer(spec.method, target, opts, load_draft)
-            runners[spec.name] = Engine(target, proposer)
+    if turns not in (1, 2):
+        raise ValueError(f"turns must be 1 or 2, got {turns}")
+    if turns == 2 and any(len(q.turns) < 2 for q in questions):
+        raise ValueError("--turns 2 needs two turns per question; the questions file has single-turn questions")
 
-    def run(name: str, prompt: list[int]) -> tuple[list[int], GenerationStats]:
-        runner = runners[name]
-        if isinstance(runner, _HFGenerate):
-            return runner.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids)
-        res = runner.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids)
-        return res.output_ids, res.stats
+    def gen(name: str, prompt: list[int]) -> tuple[list[int], GenerationStats]:
+        return runners[name].generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      stop_token_ids=stop_token_ids)
 
     for q in questions[:warmup]:
-        for spec in specs:
-            run(spec.name, render(q))
+        for name in runners:
+            gen(name, render_chat(tokenizer, [q.turns[0]]))
     for q in questions:
-        prompt = render(q)
-        for spec in specs:
-            ids, stats = run(spec.name, prompt)
-            yield Record(q.question_id, q.category, spec.name, ids, stats)
+        for name, runner in runners.items():
+            history: list[str] = []
+            for t in range(turns):
+                prompt = render_chat(tokenizer, q.turns[: t + 1], history)
+                ids, stats = gen(name, prompt)
+                yield Record(q.question_id, q.category, t + 1, name, prompt, ids, stats, runner.measures_tau)
+                history.append(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -144,53 +222,109 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def summarize(records: list[Record], greedy: bool) -> list[MethodSummary]:
-    """Aggregate per method; speedups are medians of per-question ratios (robust to noisy machines)."""
-    by_q: dict[int | str, dict[str, Record]] = {}
+def mark_exactness(records: list[Record], reference: str = "ar") -> None:
+    """Set matches_ar / first_mismatch on every record whose (question, turn) also has a `reference` record."""
+    refs = {(r.question_id, r.turn): r for r in records if r.method == reference}
     for r in records:
-        by_q.setdefault(r.question_id, {})[r.method] = r
-    ar_name = next((r.method for r in records if r.method == "ar"), None)
-    if greedy and ar_name:
-        for per in by_q.values():
-            ref = per.get(ar_name)
-            for r in per.values():
-                if ref is not None:
-                    r.first_mismatch = first_mismatch(r.output_ids, ref.output_ids)
-                    r.matches_ar = r.first_mismatch is None
-    methods = list(dict.fromkeys(r.method for r in records))
-    out = []
-    for m in methods:
-        rs = [per[m] for per in by_q.values() if m in per]
+        ref = refs.get((r.question_id, r.turn))
+        if ref is not None:
+            r.first_mismatch = first_mismatch(r.output_ids, ref.output_ids)
+            r.matches_ar = r.first_mismatch is None
 
-        def ratio(base: str, m: str = m) -> float | None:
-            vals = [per[m].stats.tokens_per_s / per[base].stats.tokens_per_s
-                    for per in by_q.values() if m in per and base in per and per[base].stats.tokens_per_s > 0]
-            return statistics.median(vals) if vals else None
 
-        tokens = sum(r.stats.new_tokens for r in rs)
-        wall = sum(r.stats.wall_s for r in rs)
+@dataclass
+class MethodSummary:
+    method: str
+    category: str  # "all", or one question category
+    generations: int  # (question, turn) pairs summarised
+    new_tokens: int
+    wall_s: float
+    tokens_per_s: float  # total new tokens / total wall time
+    speedup_vs_ar: float | None  # median over generations of per-generation (tok/s) ratios
+    speedup_vs_hf: float | None
+    tau: float | None  # mean over generations of each one's τ; None for HF baselines
+    acceptance_rate: float | None  # accepted / drafted over all steps; None when nothing was drafted
+    accept_per_position: list[float] | None  # [i]: share of all steps accepting >= i+1 tokens
+    ttft_s: float | None  # median; None where not measured
+    exact_matches: str = ""  # "k/n" outputs equal to ar's, greedy runs only
+
+
+def _summary(method: str, category: str, records: list[Record], methods: list[str]) -> MethodSummary:
+    by_gen: dict[tuple, dict[str, Record]] = {}
+    for r in records:
+        by_gen.setdefault((r.question_id, r.turn), {})[r.method] = r
+    rs = [r for r in records if r.method == method]
+
+    def ratio(base: str) -> float | None:
+        # Per-generation ratios, then the median: robust to a noisy machine and to uneven answer lengths.
+        vals = [per[method].stats.tokens_per_s / per[base].stats.tokens_per_s
+                for per in by_gen.values() if method in per and base in per and per[base].stats.tokens_per_s > 0]
+        return statistics.median(vals) if vals and base in methods else None
+
+    tokens = sum(r.stats.new_tokens for r in rs)
+    wall = sum(r.stats.wall_s for r in rs)
+    timed = [r.stats.ttft_s for r in rs if r.stats.ttft_s > 0]
+    checked = [r for r in rs if r.matches_ar is not None]
+    tau = acceptance = per_position = None
+    if rs and all(r.measures_tau for r in rs):
+        tau = statistics.mean(r.stats.tau for r in rs)
         drafted = sum(r.stats.drafted for r in rs)
-        checked = [r for r in rs if r.matches_ar is not None]
-        out.append(MethodSummary(
-            method=m, questions=len(rs), new_tokens=tokens, wall_s=wall,
-            tokens_per_s=tokens / wall if wall else 0.0,
-            speedup_vs_ar=ratio("ar") if "ar" in methods else None,
-            speedup_vs_hf=ratio("hf") if "hf" in methods else None,
-            tau=statistics.mean(r.stats.tau for r in rs) if rs else 0.0,
-            acceptance_rate=sum(r.stats.accepted for r in rs) / drafted if drafted else 0.0,
-            ttft_s=statistics.median(r.stats.ttft_s for r in rs) if rs and any(r.stats.ttft_s for r in rs) else 0.0,
-            exact_matches=f"{sum(r.matches_ar for r in checked)}/{len(checked)}" if checked else "",
-        ))
-    return out
+        acceptance = sum(r.stats.accepted for r in rs) / drafted if drafted else None
+        steps = sum(r.stats.steps for r in rs)
+        depth = max(len(r.stats.accepted_at_least) for r in rs)
+        per_position = [sum(r.stats.accepted_at_least[i] for r in rs if i < len(r.stats.accepted_at_least)) / steps
+                        for i in range(depth)] if steps else []
+    return MethodSummary(
+        method=method, category=category, generations=len(rs), new_tokens=tokens, wall_s=wall,
+        tokens_per_s=tokens / wall if wall else 0.0, speedup_vs_ar=ratio("ar"), speedup_vs_hf=ratio("hf"),
+        tau=tau, acceptance_rate=acceptance, accept_per_position=per_position,
+        ttft_s=statistics.median(timed) if timed else None,
+        exact_matches=f"{sum(r.matches_ar for r in checked)}/{len(checked)}" if checked else "",
+    )
 
 
-def markdown_table(summaries: list[MethodSummary]) -> str:
-    def fmt(x: float | None, spec: str = ".2f") -> str:
-        return "-" if x is None else format(x, spec)
+def summarize(records: list[Record], *, greedy: bool, by_category: bool = False) -> list[MethodSummary]:
+    """One summary per method (category "all"), or per (category, method) with `by_category`.
 
-    lines = ["| method | tok/s | speedup vs ar | speedup vs hf | τ | acceptance rate | TTFT s | greedy == ar |",
-             "|---|---|---|---|---|---|---|---|"]
-    for s in summaries:
-        lines.append(f"| {s.method} | {s.tokens_per_s:.2f} | {fmt(s.speedup_vs_ar)} | {fmt(s.speedup_vs_hf)} | "
-                     f"{s.tau:.2f} | {s.acceptance_rate:.2f} | {fmt(s.ttft_s or None, '.3f')} | {s.exact_matches or '-'} |")
-    return "\n".join(lines)
+    For greedy runs the records are first marked against `ar`'s outputs (see `mark_exactness`).
+    """
+    if greedy:
+        mark_exactness(records)
+    methods = list(dict.fromkeys(r.method for r in records))
+    groups: dict[str, list[Record]] = {"all": records}
+    if by_category:
+        groups = {}
+        for r in records:
+            groups.setdefault(r.category, []).append(r)
+    return [_summary(m, cat, rs, methods) for cat, rs in groups.items() for m in methods
+            if any(r.method == m for r in rs)]
+
+
+def measure(
+    target: PreTrainedModel,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    sampling: SamplingParams = SamplingParams(),
+    name: str = "proposer",
+    on_record: Callable[[Record], None] | None = None,
+) -> MethodSummary:
+    """Measured τ of `proposer` on `prompts` (token ids), through the bench's own runner and summary.
+
+    For a training recipe: the returned summary's `tau` (mean over prompts), `acceptance_rate`,
+    `accept_per_position` and `tokens_per_s` are the numbers `specheads bench` would report for
+    the same prompts. Greedy by default; `on_record` sees each prompt's record (e.g. for a progress bar).
+    """
+    runner = _EngineRunner(Engine(target, proposer))
+    records = []
+    for i, prompt in enumerate(prompts):
+        ids, stats = runner.generate(list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
+                                     stop_token_ids=list(stop_token_ids))
+        records.append(Record(i, "", 1, name, list(prompt), ids, stats))
+        if on_record is not None:
+            on_record(records[-1])
+    if not records:
+        raise ValueError("measure needs at least one prompt")
+    return summarize(records, greedy=False)[0]

@@ -133,44 +133,93 @@ class _StreamPrinter:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="compare methods on the same questions in one run",
-                       description="Run several methods over the same questions, interleaved per question.")
-    p.add_argument("--target", default="default")
-    p.add_argument("--methods", default="ar,hf,ngram", help="comma list: ar, hf, ngram, draft:PATH, draft:early-exit:N")
-    p.add_argument("--questions", type=Path, required=True)
-    p.add_argument("--limit", type=int)
+    from specheads.inference.bench import BASELINES
+
+    p = sub.add_parser("bench", help="compare methods on the same questions in one run (Spec-Bench style)",
+                       description="Run several methods over the same questions in one process, interleaved per "
+                                   "question so machine drift hits all alike; write per-question results, overall "
+                                   "and per-category tables, and plots.")
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
+    p.add_argument("--methods", default="ar,hf,ngram",
+                   help=f"comma list of: {', '.join(m for m in METHODS if m not in ('ar', 'ngram'))} (each as NAME:PATH, "
+                        f"draft also draft:early-exit:N), ar, ngram, {', '.join(BASELINES)} (hf = transformers generate, "
+                        "hf-assisted:PATH its assisted generation with a draft model, hf-pld[:N] its prompt lookup). "
+                        "Default: ar,hf,ngram")
+    p.add_argument("--questions", type=Path, required=True, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
+    p.add_argument("--limit", type=int, help="first N questions only (N >= 1; omit for all)")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                   help="2: also answer each question's second turn after the method's own first answer (MT-bench)")
     p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); greedy runs check every output against ar's")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--warmup", type=int, default=1, help="questions run once per method before timing")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--output", type=Path, help="directory for results.jsonl and summary.md")
+    p.add_argument("--warmup", type=int, default=1, help="questions run once per method before timing (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--output", type=Path,
+                   help="directory for results.jsonl, summary.json, summary.md, config.json and PNG plots")
+    p.add_argument("--report-to", choices=("none", "wandb"), default="none",
+                   help="wandb: also log tables and charts as a W&B run (works with WANDB_MODE=offline)")
+    p.add_argument("--wandb-project", help="W&B project (default: $WANDB_PROJECT or 'specheads')")
     p.set_defaults(func=_run_bench)
 
 
-def _run_bench(args: argparse.Namespace) -> None:
-    from dataclasses import asdict
+def _check_writable(folder: Path) -> None:
+    """Fail before any model loads, not after an hour of generation."""
+    import tempfile
 
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"output dir {folder} is not writable ({err.strerror or err}); pass --output a folder you "
+                         "can write to or fix its permissions") from None
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    import datetime
+    import tempfile
+
+    import torch
+    import transformers
     from tqdm import tqdm
 
-    from specheads.inference.bench import markdown_table, parse_methods, run_bench, summarize
+    from specheads.inference import bench_report
+    from specheads.inference.bench import build_runners, parse_methods, run_bench
     from specheads.inference.methods import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import load_questions
-    from specheads.target import load_target, parse_device, render_chat, stop_token_ids
+    from specheads.target import load_target, parse_device, stop_token_ids
 
+    # 1. Every check that needs no model, so bad input costs no loading time.
     specs = parse_methods(args.methods)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 (or omitted for all questions), got {args.limit}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     parse_device(args.device)
     questions = load_questions(args.questions, args.limit)
+    if args.turns == 2 and any(len(q.turns) < 2 for q in questions):
+        raise ValueError(f"--turns 2 needs two turns per question; {args.questions} has single-turn questions")
     if args.output is not None:
-        args.output.mkdir(parents=True, exist_ok=True)
-        results = (args.output / "results.jsonl").open("w", encoding="utf-8")
+        _check_writable(args.output)
+    if args.output is not None or args.report_to == "wandb":
+        bench_report.require_plotting()
+    if args.report_to == "wandb":
+        bench_report.require_wandb()
+    config = {"target": args.target, "methods": [s.name for s in specs], "questions": str(args.questions),
+              "num_questions": len(questions), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+              "warmup": args.warmup, "device": args.device, "dtype": args.dtype,
+              "started": datetime.datetime.now().isoformat(timespec="seconds"),
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+
+    # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype)
 
     def load_draft(name: str):
@@ -178,35 +227,51 @@ def _run_bench(args: argparse.Namespace) -> None:
         check_same_vocabulary(model, tokenizer, draft, draft_tok)
         return draft
 
+    runners = build_runners(model, specs, load_draft)
+
+    # 3. Run, appending each finished generation to results.jsonl as it comes (rewritten with exactness marks at the end).
+    results = (args.output / "results.jsonl").open("w", encoding="utf-8") if args.output is not None else None
     records = []
+    interrupted = False
     bar = tqdm(total=len(questions) * len(specs), desc="bench", unit="run", file=sys.stderr)
     try:
-        for rec in run_bench(model, specs, questions, lambda q: render_chat(tokenizer, [q.turns[0]]),
-                             max_new_tokens=args.max_new_tokens, sampling=sampling,
-                             stop_token_ids=stop_token_ids(tokenizer, model), load_draft=load_draft,
-                             warmup=args.warmup):
+        for rec in run_bench(runners, tokenizer, questions, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                             stop_token_ids=stop_token_ids(tokenizer, model), turns=args.turns, warmup=args.warmup):
             records.append(rec)
-            bar.update(1)
-            if args.output is not None:
-                results.write(json.dumps({"question_id": rec.question_id, "category": rec.category,
-                                          "method": rec.method, "output_ids": rec.output_ids,
-                                          "stats": rec.stats.to_dict()}) + "\n")
+            if rec.turn == args.turns:
+                bar.update(1)
+            bar.set_postfix_str(rec.method, refresh=False)
+            if results is not None:
+                results.write(json.dumps(bench_report.record_row(rec)) + "\n")
                 results.flush()
     except KeyboardInterrupt:
-        print("interrupted: summarising the runs that finished", file=sys.stderr)
+        interrupted = True
+        print(f"interrupted: reporting the {len(records)} generations that finished", file=sys.stderr)
     finally:
         bar.close()
-    summaries = summarize(records, greedy=sampling.greedy)
-    table = markdown_table(summaries)
-    print(table)
-    for rec in records:
-        if rec.matches_ar is False:
-            print(f"mismatch: {rec.method} question {rec.question_id} differs from ar at token {rec.first_mismatch}",
-                  file=sys.stderr)
-    if args.output is not None:
-        results.close()
-        (args.output / "summary.md").write_text(table + "\n", encoding="utf-8")
-        (args.output / "summary.json").write_text(json.dumps([asdict(s) for s in summaries], indent=2), encoding="utf-8")
+        if results is not None:
+            results.close()
+
+    # 4. Report.
+    config["interrupted"] = interrupted
+    report = bench_report.build_report(records, greedy=sampling.greedy, config=config)
+    print(bench_report.markdown_table(report.overall))
+    print()
+    print(bench_report.markdown_table(report.by_category, with_category=True))
+    for m in report.mismatches:
+        print(f"mismatch: {m['method']} question {m['question_id']} turn {m['turn']} differs from ar at output token "
+              f"{m['first_mismatch']}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.output is not None:
+            plots = bench_report.write_report(report, records, args.output)
+        elif args.report_to == "wandb":
+            plots = bench_report.write_plots(report, records, Path(scratch))
+        if args.report_to == "wandb":
+            run_dir = bench_report.log_wandb(report, records, plots, run_dir=args.output, project=args.wandb_project,
+                                             name=args.output.name if args.output is not None else None)
+            print(f"W&B run: {run_dir}", file=sys.stderr)
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _train_passthrough(argv: list[str]) -> int:

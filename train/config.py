@@ -33,10 +33,19 @@ class HeadsConfig:
     init_from_target_layer: int | None = None  # EAGLE: copy this target layer into the head (None: random init, learns faster)
     cls_weight: float = 0.1  # EAGLE: weight of the soft cross-entropy next to the feature SmoothL1 loss
     feature_noise: float = 0.0  # EAGLE: uniform noise of this amplitude on input features (regularisation)
+    ttt_steps: int = 1  # EAGLE: draft steps unrolled in training, each fed the previous step's outputs (1 = EAGLE-1)
+    ttt_decay: float = 0.8  # EAGLE: loss weight of unrolled step k is ttt_decay**k
     medusa_heads: int = 4
     medusa_layers: int = 1
     medusa_decay: float = 0.8  # Medusa: head k's loss weight is decay**k
     own_lm_head: bool = False  # Medusa: train an LM head per head (initialised from the target's) instead of sharing it
+
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"heads.ttt_steps must be >= 1 (1 trains plain EAGLE-1), got {self.ttt_steps}")
+        if not 0.0 < self.ttt_decay <= 1.0:
+            raise ValueError(f"heads.ttt_decay must be in (0, 1], got {self.ttt_decay}")
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
     report_to: str = "none"  # "none" or "wandb" (works with WANDB_MODE=offline)
-    mixed_precision: str = "auto"  # "auto" (bf16 on CUDA, none on CPU), "no", "bf16", "fp16"
+    mixed_precision: str = "auto"  # "auto" (bf16 on CUDA and on CPUs with native bf16, else none), "no", "bf16", "fp16"
     log_every: int = 10
     eval_every: int = 100
     save_every: int = 100

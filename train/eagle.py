@@ -1,91 +1,159 @@
-"""The EAGLE-1 objective: how one batch becomes a loss, and how a checkpoint is evaluated."""
+"""The EAGLE objective: how one batch becomes a loss, and how a checkpoint is evaluated.
+
+With `heads.ttt_steps = K > 1` the head is trained as it is used ("training-time test", EAGLE-3):
+step k feeds the head its own step k-1 outputs as features, and attends exactly to what the
+drafter attends to at inference (see `ttt_mask`), so later draft steps learn to live with the
+errors of earlier ones instead of only ever seeing the target's perfect features.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
 
-from specheads.heads.eagle import EagleConfig, EagleHead, eagle_loss
+from specheads.heads.eagle import EagleConfig, EagleHead
 from specheads.train.config import TrainConfig
 from specheads.train.features import batch_features
 
+EVAL_STEPS = 4  # draft steps evaluated (chain depth of the simulated acceptance length)
+EVAL_TOPK = 5
 
-def build_eagle(cfg: TrainConfig, target: torch.nn.Module) -> EagleHead:
+
+def build_eagle(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int] | None = None) -> EagleHead:
     tcfg = target.config.get_text_config()
-    head_cfg = EagleConfig(hidden_size=tcfg.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
-                           num_layers=cfg.heads.eagle_layers, init_from_target_layer=cfg.heads.init_from_target_layer)
-    return EagleHead(head_cfg, target)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    head_cfg = EagleConfig(hidden_size=tcfg.hidden_size, vocab_size=vocab, num_layers=cfg.heads.eagle_layers,
+                           init_from_target_layer=cfg.heads.init_from_target_layer)
+    head = EagleHead(head_cfg, target)
+    # The draft LM head scores only these tokens at inference, so training spends its CE there too.
+    ids = torch.tensor(draft_vocab if draft_vocab is not None else range(vocab), dtype=torch.long)
+    head.register_buffer("draft_ids", ids, persistent=False)  # [Vd]
+    return head
+
+
+def _unwrap(head: torch.nn.Module) -> EagleHead:
+    return head.module if hasattr(head, "module") else head
 
 
 def _inputs(batch: dict[str, torch.Tensor], features: torch.Tensor):
     """Pairs (F_t, x_{t+1}) at positions t = 0..T-2, and where the prediction of F_{t+1} counts."""
     ids = batch["input_ids"]
-    tokens = ids[:, 1:]  # [B, T-1]
-    feats = features[:, :-1]  # [B, T-1, H]
+    tokens = ids[:, 1:]  # [B, W] with W = T-1
+    feats = features[:, :-1]  # [B, W, H]
     positions = torch.arange(tokens.shape[1], device=ids.device).expand_as(tokens)
-    counts = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).bool()  # [B, T-1]
+    counts = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).bool()  # [B, W]
     return tokens, feats, positions, counts
+
+
+def ttt_mask(width: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # [1, 1, W, (step+1)W]
+    """Keys seen by step-`step` queries, laid out as [step-0 keys | step-1 keys | ... | own keys].
+
+    A step-k query at index i drafts the k-th token of a chain that started at s = i - k. At
+    inference that draft step sees the cached prefix (keys computed from the target's real
+    features, indices <= s) and the chain's own earlier draft steps, one per step j at index s + j.
+    """
+    q = torch.arange(width, device=device)[:, None]
+    k = torch.arange(width, device=device)[None, :]
+    allowed = torch.cat([k <= q - step, *[k == q - step + j for j in range(1, step + 1)]], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def unroll(head: torch.nn.Module, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+           steps: int) -> list[torch.Tensor]:
+    """Outputs of draft steps 1..steps, each [B, W, H]; entry k at index i predicts F_{i+1} from a chain started at i-k.
+
+    1. Step 0 reads the target's features under a causal mask and caches its keys.
+    2. Step k reads step k-1's outputs shifted by one position (the feature the chain itself
+       predicted) with the same teacher-forced tokens, attending as `ttt_mask` says.
+    """
+    if steps == 1:
+        return [head(tokens, feats, positions)]
+    cache = DynamicCache()
+    outs: list[torch.Tensor] = []
+    cur = feats
+    for k in range(steps):
+        mask = ttt_mask(tokens.shape[1], k, cur.dtype, cur.device)
+        outs.append(head(tokens, cur, positions, attention_mask=mask, cache=cache))
+        cur = torch.cat([feats[:, :1], outs[-1][:, :-1]], dim=1)  # index 0 has no predecessor; never counted
+    return outs
+
+
+def _valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction counts and its chain start too
+    valid = counts.clone()
+    valid[:, :k] = False
+    valid[:, k:] &= counts[:, : counts.shape[1] - k]
+    return valid
 
 
 def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
                     cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """1. Target features (no grad). 2. Noisy features in, predicted next features out.
-    3. SmoothL1 + soft CE on the positions that count, gathered so the LM head only sees those."""
+    """1. Target features (no grad). 2. Noisy features in, predicted next features out, for each TTT step.
+    3. Per step: SmoothL1 on features + cls_weight x soft CE against the target's distribution over the
+       draft vocabulary, on the positions that count; step k weighs ttt_decay**k."""
     features = batch_features(target, batch)
     tokens, feats, positions, counts = _inputs(batch, features)
     if cfg.heads.feature_noise > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * 2 * cfg.heads.feature_noise
-    pred = head(tokens, feats, positions)  # [B, T-1, H]
-    next_feats = features[:, 1:][counts]  # [M, H]
-    unwrapped = head.module if hasattr(head, "module") else head
-    with torch.no_grad():
-        target_logits = unwrapped.logits(next_feats)  # [M, V]
-    return eagle_loss(unwrapped, pred[counts], next_feats, target_logits, torch.ones_like(next_feats[:, 0]),
-                      cls_weight=cfg.heads.cls_weight)
+    outs = unroll(head, tokens, feats, positions, cfg.heads.ttt_steps)
+    model = _unwrap(head)
+    weight = model.lm_head.weight[model.draft_ids]  # [Vd, H]
+    next_feats = features[:, 1:]  # [B, W, H]
+    total, stats, norm = 0.0, {}, 0.0
+    for k, pred in enumerate(outs):
+        valid = _valid(counts, k)
+        want = next_feats[valid]  # [M, H]
+        got = pred[valid]
+        reg = F.smooth_l1_loss(got, want.to(got.dtype))
+        logits = (got @ weight.T).float()  # [M, Vd]
+        with torch.no_grad():
+            target_p = (want.to(weight.dtype) @ weight.T).float().softmax(-1)
+        ce = -(target_p * logits.log_softmax(-1)).sum(-1).mean()
+        w = cfg.heads.ttt_decay ** k
+        total = total + w * (reg + cfg.heads.cls_weight * ce)
+        norm += w
+        with torch.no_grad():
+            top1 = (logits.argmax(-1) == target_p.argmax(-1)).float().mean()
+        suffix = "" if k == 0 else f"_step{k + 1}"
+        stats |= {f"loss_reg{suffix}": float(reg.detach()), f"loss_ce{suffix}": float(ce.detach()), f"top1{suffix}": float(top1)}
+    return total / norm, stats
 
 
 @torch.no_grad()
-def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = 4,
-               topk: int = 5) -> dict[str, torch.Tensor]:
-    """Sums over the batch's counted positions: per-step top-1 / top-k agreement with the target's argmax
-    (step k feeds the head's own step k-1 predictions as features) and the chain acceptance length.
+def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = EVAL_STEPS,
+               topk: int = EVAL_TOPK) -> dict[str, torch.Tensor]:
+    """Sums over the batch's counted positions: per-step top-1 / top-k agreement of the draft (over its
+    vocabulary) with the target's full-vocabulary argmax, drafting as at inference (`unroll`), and the
+    chain acceptance length.
 
     Returns tensors so callers can reduce across processes: correct_top1 [steps], correct_topk [steps],
     positions [steps], accepted (sum of leading correct steps per start position), starts.
     """
     features = batch_features(target, batch)
     tokens, feats, positions, counts = _inputs(batch, features)
-    target_next = head.logits(features[:, 1:]).argmax(-1)  # [B, T-1]: target's choice after position t+1
-    top1 = torch.zeros(steps)
-    topk_hits = torch.zeros(steps)
-    totals = torch.zeros(steps)
-    run = torch.ones_like(counts)  # still accepted at every step so far, per start position
-    accepted = torch.zeros_like(counts, dtype=torch.long)
-    cur_feats = feats
+    steps = min(steps, tokens.shape[1])
+    target_next = head.logits(features[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
+    weight = head.lm_head.weight[head.draft_ids]  # [Vd, H]
+    top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     width = tokens.shape[1]
-    for k in range(steps):
-        n = width - k
-        if n <= 0:
-            break
-        pred = head(tokens[:, k:], cur_feats[:, :n], positions[:, k:])  # step k+1 predictions
-        logits = head.logits(pred)
-        want = target_next[:, k:]
-        valid = counts[:, k:] & counts[:, : n]
-        hit = logits.argmax(-1) == want
-        hitk = (logits.topk(topk, dim=-1).indices == want[..., None]).any(-1)
-        top1[k] = (hit & valid).sum()
-        topk_hits[k] = (hitk & valid).sum()
-        totals[k] = valid.sum()
-        run = run[:, :n] & hit & valid
-        accepted[:, :n] += run.long()
-        cur_feats = pred[:, :-1] if n > 1 else pred
-    starts = counts.sum()
+    hits = torch.zeros(steps, *counts.shape, dtype=torch.bool)  # [steps, B, W] step k hit, by chain start
+    for k, pred in enumerate(unroll(head, tokens, feats, positions, steps)):
+        ranked = head.draft_ids[(pred @ weight.T).topk(topk, dim=-1).indices]  # [B, W, topk] token ids
+        hit = ranked[..., 0] == target_next
+        hitk = (ranked == target_next[..., None]).any(-1)
+        valid = _valid(counts, k)
+        top1[k], topk_hits[k], totals[k] = (hit & valid).sum(), (hitk & valid).sum(), valid.sum()
+        hits[k, :, : width - k] = (hit & valid)[:, k:]  # re-indexed by chain start i - k
+    run = torch.cumprod(hits.long(), dim=0)  # still accepted at every step so far
+    accepted = run.sum(0)[counts].sum()
     return {"correct_top1": top1, "correct_topk": topk_hits, "positions": totals,
-            "accepted": accepted[counts].sum().float().reshape(1), "starts": starts.float().reshape(1)}
+            "accepted": accepted.float().reshape(1), "starts": counts.sum().float().reshape(1)}
 
 
 def eagle_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], None]:
     pos = sums["positions"].clamp(min=1)
     row = {f"eval/top1_step{i + 1}": float(x) for i, x in enumerate(sums["correct_top1"] / pos)}
-    row |= {f"eval/top5_step{i + 1}": float(x) for i, x in enumerate(sums["correct_topk"] / pos)}
+    row |= {f"eval/top{EVAL_TOPK}_step{i + 1}": float(x) for i, x in enumerate(sums["correct_topk"] / pos)}
     row["eval/simulated_tau_chain"] = 1.0 + float(sums["accepted"][0] / sums["starts"][0].clamp(min=1))
     return row, None

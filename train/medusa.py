@@ -11,7 +11,8 @@ from specheads.train.features import batch_features
 EVAL_TOPK = 10  # choices per head whose accuracy is measured (the static tree is built from them)
 
 
-def build_medusa(cfg: TrainConfig, target: torch.nn.Module) -> MedusaHeads:
+def build_medusa(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int] | None = None) -> MedusaHeads:
+    del draft_vocab  # Medusa heads score the full vocabulary
     config = MedusaConfig.for_target(target, num_heads=cfg.heads.medusa_heads, num_layers=cfg.heads.medusa_layers,
                                      own_lm_head=cfg.heads.own_lm_head)
     return MedusaHeads(config, target.get_output_embeddings())

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
@@ -122,23 +121,3 @@ class EagleHead(nn.Module):
         head.saved_config = config  # extra keys (e.g. measured accuracies) for the proposer
         return head.to(next(target_model.parameters()).device).eval()
 
-
-def eagle_loss(
-    head: EagleHead,
-    pred: torch.Tensor,  # [B, T, H] head outputs at positions t (predicting F_{t+1})
-    target_features: torch.Tensor,  # [B, T, H] F_{t+1}
-    target_logits: torch.Tensor,  # [B, T, V] target logits at t+1 (the distribution of x_{t+2})
-    mask: torch.Tensor,  # [B, T] 1 where the position counts
-    cls_weight: float = 0.1,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE-1 objective: SmoothL1 on features + cls_weight · soft cross-entropy against the target's distribution."""
-    m = mask.to(pred.dtype)
-    denom = m.sum().clamp(min=1.0)
-    reg = (F.smooth_l1_loss(pred, target_features, reduction="none").mean(-1) * m).sum() / denom
-    logits = head.logits(pred).float()
-    target_p = target_logits.float().softmax(-1)
-    ce = (-(target_p * logits.log_softmax(-1)).sum(-1) * m).sum() / denom
-    with torch.no_grad():
-        top1 = ((logits.argmax(-1) == target_logits.argmax(-1)).to(m.dtype) * m).sum() / denom
-    loss = reg + cls_weight * ce
-    return loss, {"loss_reg": float(reg.detach()), "loss_ce": float(ce.detach()), "top1": float(top1)}

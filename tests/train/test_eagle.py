@@ -1,0 +1,74 @@
+"""The EAGLE objective: the training-time-test unroll drafts exactly as the inference drafter does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specheads.train.config import TrainConfig
+from specheads.train.eagle import build_eagle, eagle_eval, eagle_step_loss, ttt_mask, unroll
+from tests.conftest import tiny_model
+
+
+@pytest.fixture
+def head_and_inputs():
+    target = tiny_model("llama", seed=0)
+    torch.manual_seed(1)
+    head = build_eagle(TrainConfig(), target).eval()
+    with torch.no_grad():  # a head that is not the identity, so wrong attention shows in the outputs
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    tokens = torch.randint(3, 96, (2, 12))
+    feats = torch.randn(2, 12, 64)
+    positions = torch.arange(12).expand(2, 12)
+    return target, head, tokens, feats, positions
+
+
+def test_ttt_mask_sees_the_prefix_and_the_chain_only():
+    mask = ttt_mask(5, 2, torch.float32, torch.device("cpu"))[0, 0] == 0  # [5, 15] allowed
+    # Query 4 drafts step 2 of the chain started at 2: real keys 0..2, step-1 key 3, its own key 4.
+    assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert mask[2].nonzero().flatten().tolist() == [0, 5 + 1, 10 + 2]  # the chain started at the first token
+
+
+@torch.no_grad()
+def test_unroll_equals_sequential_drafting_with_a_cache(head_and_inputs):
+    _, head, tokens, feats, positions = head_and_inputs
+    outs = unroll(head, tokens, feats, positions, steps=3)
+    for start in (0, 4, 8):
+        cache = DynamicCache()
+        step = head(tokens[:, : start + 1], feats[:, : start + 1], positions[:, : start + 1], cache=cache)[:, -1:]
+        torch.testing.assert_close(outs[0][:, start], step[:, 0], rtol=1e-4, atol=1e-5)
+        for k in (1, 2):
+            i = start + k
+            step = head(tokens[:, i : i + 1], step, positions[:, i : i + 1], cache=cache)
+            torch.testing.assert_close(outs[k][:, i], step[:, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_ttt_loss_trains_every_step_and_its_first_step_is_eagle1(head_and_inputs):
+    target, head, tokens, _, _ = head_and_inputs
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
+    head.train()
+    loss, stats = eagle_step_loss(head, target, batch, _cfg(ttt_steps=3))
+    assert {"top1", "top1_step2", "top1_step3", "loss_ce_step3"} <= stats.keys()
+    loss.backward()
+    assert head.fc.weight.grad.abs().sum() > 0
+    _, plain = eagle_step_loss(head, target, batch, _cfg(ttt_steps=1))
+    assert plain["loss_reg"] == pytest.approx(stats["loss_reg"], rel=1e-5)
+    assert plain["loss_ce"] == pytest.approx(stats["loss_ce"], rel=1e-5)
+
+
+def test_eval_counts_chains_from_the_target_choices(head_and_inputs):
+    target, head, tokens, _, _ = head_and_inputs
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
+    sums = eagle_eval(head, target, batch, steps=3)
+    assert sums["positions"].tolist() == [22.0, 20.0, 18.0]  # 2 rows x (11 - k) chain starts
+    assert (sums["correct_top1"] <= sums["correct_topk"]).all()
+    assert 0 <= sums["accepted"].item() <= 3 * sums["starts"].item()
+
+
+def _cfg(**heads) -> TrainConfig:
+    from specheads.train.config import HeadsConfig
+
+    return TrainConfig(heads=HeadsConfig(**heads))
