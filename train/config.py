@@ -79,6 +79,8 @@ class TrainConfig:
     feature_dtype: str = "bfloat16"  # storage dtype of the offline cache
     feature_cache_dir: str | None = None  # default: OUTPUT_DIR/features
     draft_vocab_size: int | None = 8192  # most frequent training tokens the draft LM head scores (None: all)
+    measure_prompts: int = 4  # held-out prompts the final heads decode greedily for the measured τ (0: skip)
+    measure_max_new_tokens: int = 64
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -94,6 +96,8 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.features not in ("online", "offline"):
             raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
+        if self.measure_prompts < 0 or self.measure_max_new_tokens < 1:
+            raise ValueError("measure_prompts must be >= 0 and measure_max_new_tokens >= 1")
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -28,7 +28,9 @@ from transformers import get_cosine_schedule_with_warmup
 
 from specheads.config import save_config, to_dict
 from specheads.heads.checkpoint import TargetInfo
-from specheads.target import load_target
+from specheads.inference.bench import measure
+from specheads.inference.methods import MethodOptions, make_proposer
+from specheads.target import load_target, stop_token_ids
 from specheads.train.config import TrainConfig
 from specheads.train.data import (
     collate,
@@ -263,11 +265,37 @@ def train(cfg: TrainConfig) -> Path:
         else:
             model.save_pretrained(final, info, extra={"draft_vocab": draft_vocab, "eval": _last_eval(out)})
         log.info("saved heads to %s", final)
+        if cfg.measure_prompts:
+            emit({"step": step, **measured_tau(cfg, target, tokenizer, eval_ds, final)})
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if metrics_file is not None:
         metrics_file.close()
     return final
+
+
+def held_out_prompts(eval_ds, n: int) -> list[list[int]]:
+    """The first `n` eval conversations up to their first assistant token: rendered prompts the heads never saw."""
+    prompts = []
+    for ids, mask in zip(eval_ds["input_ids"], eval_ds["loss_mask"]):
+        first = next((i for i, m in enumerate(mask) if m), 0)
+        if first > 0:
+            prompts.append(list(ids[:first]))
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def measured_tau(cfg: TrainConfig, target, tokenizer, eval_ds, heads_dir: Path) -> dict[str, float]:
+    """τ of the saved heads decoding held-out prompts, through the same loader and runner as `specheads bench`."""
+    proposer = make_proposer(cfg.recipe, target, MethodOptions(heads=str(heads_dir)), load_draft=None)
+    prompts = held_out_prompts(eval_ds, cfg.measure_prompts)
+    if not prompts:
+        return {}
+    summary = measure(target, proposer, prompts, max_new_tokens=cfg.measure_max_new_tokens,
+                      stop_token_ids=stop_token_ids(tokenizer, target), name=cfg.recipe)
+    return {"eval/measured_tau": summary.tau, "eval/measured_acceptance_rate": summary.acceptance_rate or 0.0,
+            "eval/measured_prompts": len(prompts)}
 
 
 def _last_eval(out: Path) -> dict:

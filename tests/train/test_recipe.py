@@ -70,6 +70,9 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["head_type"] == "eagle" and len(cfg["config"]["draft_vocab"]) == 48
     assert (out / "config.yaml").is_file()
+    measured = metrics(out)[-1]  # the saved heads decoding held-out prompts through the bench's runner
+    assert measured["eval/measured_prompts"] == 4  # the default, all from held-out conversations
+    assert 1.0 <= measured["eval/measured_tau"] <= 6.0  # the bonus token plus at most the tree depth (5)
 
     from specheads.inference import Engine
     from specheads.inference.methods import MethodOptions, make_proposer

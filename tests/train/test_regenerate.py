@@ -53,3 +53,15 @@ def test_rerun_skips_finished_shards(tiny_model_dir, tmp_path):
     regenerate(model, tok, convs, out, shard_size=2, batch_size=2, max_new_tokens=4, stop_ids=[2])
     assert (out / "shard_00000.jsonl").stat().st_mtime_ns == kept
     assert len((out / "conversations.jsonl").read_text().splitlines()) == 4
+
+
+def test_max_turns_keeps_only_the_first_exchanges(tiny_model_dir, tmp_path):
+    data = tmp_path / "conv.jsonl"
+    write_conversations(data, n=3)
+    out = tmp_path / "regen"
+    assert main(["--target", str(tiny_model_dir), "--source", str(data), "--output", str(out), "--max-new-tokens", "4",
+                 "--max-turns", "1", "--dtype", "float32"]) == 0
+    rows = [json.loads(line)["messages"] for line in (out / "conversations.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all([m["role"] for m in r] == ["user", "assistant"] for r in rows)
+    assert main(["--target", str(tiny_model_dir), "--source", str(data), "--output", str(tmp_path / "x"),
+                 "--max-turns", "0"]) == 2
