@@ -22,7 +22,8 @@ echo "==> training EAGLE heads into $run/eagle"
 methods="$methods,eagle:$run/eagle/final"
 if [[ "${MEDUSA:-0}" == 1 ]]; then
     echo "==> training Medusa heads into $run/medusa"
-    .venv/bin/python -m specheads.train configs/medusa-smollm2-cpu.yaml "output_dir=$run/medusa"
+    .venv/bin/python -m specheads.train configs/medusa-smollm2-cpu.yaml "output_dir=$run/medusa" \
+        "feature_cache_dir=$run/eagle/features"  # same data as the EAGLE recipe: its cached features serve
     methods="$methods,medusa:$run/medusa/final"
 fi
 echo "==> benchmarking $methods"
