@@ -7,6 +7,7 @@
 #
 #   scripts/run.sh                       # defaults
 #   QUESTIONS=path.jsonl LIMIT=40 MAX_NEW=128 MEDUSA=1 scripts/run.sh
+#   EXTRA_METHODS=hf-pld,eagle:runs/other/final scripts/run.sh   # more methods in the same interleaved run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -25,6 +26,9 @@ if [[ "${MEDUSA:-0}" == 1 ]]; then
     .venv/bin/python -m specheads.train configs/medusa-smollm2-cpu.yaml "output_dir=$run/medusa" \
         "feature_cache_dir=$run/eagle/features"  # same data as the EAGLE recipe: its cached features serve
     methods="$methods,medusa:$run/medusa/final"
+fi
+if [[ -n "${EXTRA_METHODS:-}" ]]; then
+    methods="$methods,$EXTRA_METHODS"
 fi
 echo "==> benchmarking $methods"
 .venv/bin/specheads bench --target default --methods "$methods" --questions "$questions" \

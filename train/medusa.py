@@ -12,9 +12,9 @@ EVAL_TOPK = 10  # choices per head whose accuracy is measured (the static tree i
 
 
 def build_medusa(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int] | None = None) -> MedusaHeads:
-    del draft_vocab  # Medusa heads score the full vocabulary
     config = MedusaConfig.for_target(target, num_heads=cfg.heads.medusa_heads, num_layers=cfg.heads.medusa_layers,
-                                     own_lm_head=cfg.heads.own_lm_head)
+                                     own_lm_head=cfg.heads.own_lm_head,
+                                     draft_vocab=None if draft_vocab is None else tuple(draft_vocab))
     return MedusaHeads(config, target.get_output_embeddings())
 
 
@@ -35,7 +35,8 @@ def medusa_step_loss(heads: torch.nn.Module, target: torch.nn.Module, batch: dic
                      cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
     features, labels = _features_and_labels(target, batch)
     mask = batch["loss_mask"] * batch["attention_mask"]
-    loss, accs = medusa_loss(heads(features), labels, mask, decay=cfg.heads.medusa_decay)
+    unwrapped = heads.module if hasattr(heads, "module") else heads
+    loss, accs = medusa_loss(heads(features), labels, mask, decay=cfg.heads.medusa_decay, draft_ids=unwrapped.draft_ids)
     return loss, {f"top1_head{k}": a for k, a in enumerate(accs)} | {"top1": accs[0]}
 
 
@@ -53,7 +54,7 @@ def medusa_eval(heads: MedusaHeads, target: torch.nn.Module, batch: dict[str, to
         if length <= shift:
             continue
         keep = mask[:, shift:]
-        top = logits[k, :, : length - shift][keep].topk(EVAL_TOPK, dim=-1).indices  # [M, topk]
+        top = heads.token_ids(logits[k, :, : length - shift][keep].topk(EVAL_TOPK, dim=-1).indices)  # [M, topk] ids
         gold = labels[:, shift:][keep]
         hits[k] += (top == gold[:, None]).float().sum(0).cpu()
         positions[k] += gold.numel()

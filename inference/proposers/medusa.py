@@ -50,7 +50,7 @@ class MedusaProposer:
         self.paths = paths
         self.depth = depth
         self.k_max = max(p[-1] for p in paths) + 1
-        vocab = heads.config.vocab_size
+        vocab = heads.config.scored_vocab_size
         if self.k_max > vocab:
             raise ValueError(f"the tree asks for choice {self.k_max - 1} but the vocabulary has {vocab} tokens; use a narrower tree")
         node_of = {(): 0}
@@ -68,7 +68,7 @@ class MedusaProposer:
     @torch.inference_mode()
     def _read(self, hidden: torch.Tensor) -> None:  # hidden: [H], the target's last-layer state of one position
         logits = self.heads(hidden.reshape(1, 1, -1), num_heads=self.depth)[:, 0, 0]  # [D, V]
-        self._topk = logits.topk(self.k_max, dim=-1).indices.flatten().cpu()  # [D * k_max]
+        self._topk = self.heads.token_ids(logits.topk(self.k_max, dim=-1).indices).flatten().cpu()  # [D * k_max] ids
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         # The prefill covers prompt[:-1]: its last state precedes the root (prompt[-1]), exactly as the

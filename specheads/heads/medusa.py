@@ -3,6 +3,10 @@
 At the hidden state h of token x_t the target's LM head predicts x_{t+1}; Medusa head k
 (k = 0..K-1) predicts x_{t+k+2}. Each head is `num_layers` residual blocks followed by
 an LM head: either the target's own (shared, frozen, not saved) or a trainable copy.
+
+With a `draft_vocab` (the most frequent tokens of the training data) every LM head scores only
+those tokens: drafting and training cost a fraction of the full-vocabulary head, and exactness
+is untouched since verification and bonus tokens use the target's full vocabulary.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class MedusaConfig:
     num_heads: int = 4  # K: head k guesses the token k + 2 positions after the hidden state's token
     num_layers: int = 1  # residual blocks per head
     own_lm_head: bool = False  # a trainable LM head per head (initialised from the target's) instead of sharing it
+    draft_vocab: tuple[int, ...] | None = None  # token ids the heads score, sorted; None: the whole vocabulary
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
@@ -39,6 +44,15 @@ class MedusaConfig:
                 raise ValueError(f"medusa {name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.own_lm_head, bool):
             raise ValueError(f"medusa own_lm_head must be true or false, got {self.own_lm_head!r}")
+        if self.draft_vocab is not None:
+            ids = tuple(int(i) for i in self.draft_vocab)
+            if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.vocab_size:
+                raise ValueError(f"medusa draft_vocab must be sorted, distinct token ids in [0, {self.vocab_size})")
+            object.__setattr__(self, "draft_vocab", ids)  # JSON gives a list; keep the config hashable
+
+    @property
+    def scored_vocab_size(self) -> int:
+        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
 
     @classmethod
     def from_dict(cls, data: dict) -> MedusaConfig:
@@ -70,7 +84,8 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K Medusa heads for one target; `forward(hidden [B, T, H]) -> logits [K, B, T, V]`."""
+    """K Medusa heads for one target; `forward(hidden [B, T, H]) -> logits [K, B, T, Vd]` over the
+    draft vocabulary (Vd = V without one); `token_ids` maps logit indices back to token ids."""
 
     def __init__(self, config: MedusaConfig, target_lm_head: nn.Module) -> None:
         """`target_lm_head` is the target's output embedding (H -> V). Shared heads use it as is and
@@ -84,24 +99,37 @@ class MedusaHeads(nn.Module):
         self.tree: list[list[int]] | None = None  # the static tree stored with a checkpoint, if any
         # New weights follow the target's device and dtype, so the heads run on its hidden states as they come.
         factory = dict(device=weight.device, dtype=weight.dtype)
+        bias = getattr(target_lm_head, "bias", None)
+        ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab, device=weight.device)
+        self.register_buffer("draft_ids", ids, persistent=False)  # [Vd] or None; the config is its record
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(config.hidden_size, **factory) for _ in range(config.num_layers)))
             for _ in range(config.num_heads)
         )
+        scored = config.scored_vocab_size
         if config.own_lm_head:
-            bias = getattr(target_lm_head, "bias", None)
             self.lm_heads = nn.ModuleList()
             for _ in range(config.num_heads):
-                head = nn.Linear(config.hidden_size, config.vocab_size, bias=bias is not None, **factory)
+                head = nn.Linear(config.hidden_size, scored, bias=bias is not None, **factory)
                 with torch.no_grad():
-                    head.weight.copy_(weight)
+                    head.weight.copy_(weight if ids is None else weight[ids])
                     if bias is not None:
-                        head.bias.copy_(bias)
+                        head.bias.copy_(bias if ids is None else bias[ids])
                 self.lm_heads.append(head)
             self.target_lm_head = None
-        else:
+        elif ids is None:
             self.lm_heads = None
             self.target_lm_head = target_lm_head.requires_grad_(False)
+        else:
+            # The target's rows for the draft vocabulary, copied once (frozen, never saved): a gather per step would
+            # cost as much as the product itself.
+            target_lm_head.requires_grad_(False)
+            self.lm_heads = None
+            self.target_lm_head = nn.Linear(config.hidden_size, scored, bias=bias is not None, **factory).requires_grad_(False)
+            with torch.no_grad():
+                self.target_lm_head.weight.copy_(weight[ids])
+                if bias is not None:
+                    self.target_lm_head.bias.copy_(bias[ids])
 
     @property
     def num_heads(self) -> int:
@@ -123,9 +151,14 @@ class MedusaHeads(nn.Module):
             out.append(lm_head(h.to(lm_head.weight.dtype)))
         return torch.stack(out)
 
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into forward's last dim -> token ids
+        return index if self.draft_ids is None else self.draft_ids[index]
+
     def save_pretrained(self, path: str | os.PathLike, target: TargetInfo, tree: list[list[int]] | None = None) -> None:
         """Save config, weights (not the shared target LM head) and optionally the static tree to use."""
         config = asdict(self.config)
+        if config["draft_vocab"] is not None:
+            config["draft_vocab"] = list(config["draft_vocab"])
         config["tree"] = validate_tree(tree) if tree is not None else None
         save_heads(path, self, head_type=HEAD_TYPE, config=config, target=target, exclude_prefixes=(_SHARED_PREFIX,))
 
@@ -162,6 +195,7 @@ def medusa_loss(
     input_ids: torch.Tensor,  # [B, T] the tokens the hidden states were computed on
     loss_mask: torch.Tensor,  # [B, T] 1 where a token is a training target (e.g. assistant tokens)
     decay: float = 0.8,
+    draft_ids: torch.Tensor | None = None,  # [Vd] token id of each logit column; None: the whole vocabulary
 ) -> tuple[torch.Tensor, list[float]]:
     """Medusa-1 loss: sum_k decay**k * CE(head k at t, token t + k + 2), and per-head top-1 accuracy.
 
@@ -169,12 +203,19 @@ def medusa_loss(
        target would fall beyond T have nothing to predict and are dropped.
     2. Keep pairs whose target token has loss_mask 1; CE is the mean over them (0 when none).
     3. Weight head k by decay**k (later heads are less accurate and matter less to acceptance).
-    Accuracy is NaN for a head with no kept pair, so it is not mistaken for a measured zero.
+    With `draft_ids`, targets outside the draft vocabulary cannot be scored: they leave the CE but
+    count as misses in the accuracy. Accuracy is NaN for a head with no kept pair, so it is not
+    mistaken for a measured zero.
     """
     num_heads, batch, length, vocab = logits.shape
     assert input_ids.shape == (batch, length) and loss_mask.shape == (batch, length), (input_ids.shape, loss_mask.shape)
     total = logits.new_zeros((), dtype=torch.float32)
     accuracies: list[float] = []
+    column = None  # [V'] logit column of each token id, -1 outside the draft vocabulary
+    if draft_ids is not None:
+        ids = draft_ids.to(input_ids.device)
+        column = torch.full((max(int(ids.max()), int(input_ids.max())) + 1,), -1, dtype=torch.long, device=ids.device)
+        column[ids] = torch.arange(len(ids), device=ids.device)
     for k in range(num_heads):
         shift = k + 2
         if length <= shift:
@@ -188,6 +229,10 @@ def medusa_loss(
             total = total + 0.0 * logits[k].sum()
             accuracies.append(float("nan"))
             continue
-        total = total + decay**k * F.cross_entropy(pred, gold)
+        if column is not None:
+            gold = column[gold]  # -1: not in the draft vocabulary, never predicted
+        scored = gold >= 0
+        ce = F.cross_entropy(pred[scored], gold[scored]) if scored.any() else 0.0 * pred.sum()
+        total = total + decay**k * ce
         accuracies.append((pred.argmax(dim=-1) == gold).float().mean().item())
     return total, accuracies

@@ -126,3 +126,39 @@ def test_config_validation(target):
         MedusaConfig.from_dict({"hidden_size": 64, "vocab_size": 96, "heads": 2})
     with pytest.raises(ValueError, match="for_target"):
         MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=96), target.get_output_embeddings())
+
+
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_draft_vocabulary_scores_only_its_tokens_and_roundtrips(tmp_path, target, hidden, own_lm_head):
+    _, h = hidden
+    vocab = (3, 7, 8, 20, 50, 95)
+    cfg = MedusaConfig.for_target(target, num_heads=2, own_lm_head=own_lm_head, draft_vocab=list(vocab))
+    heads = MedusaHeads(cfg, target.get_output_embeddings())
+    logits = heads(h)
+    assert logits.shape == (2, 2, 24, len(vocab)) and cfg.draft_vocab == vocab  # a list becomes a tuple
+    torch.testing.assert_close(logits[0], target.lm_head(h)[..., list(vocab)])  # fresh heads: the target's rows
+    assert heads.token_ids(torch.tensor([0, 5])).tolist() == [3, 95]
+    perturb(heads).save_pretrained(tmp_path, TargetInfo.from_model(target, "tiny"))
+    loaded = MedusaHeads.from_pretrained(tmp_path, target)
+    assert loaded.config == heads.config
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)
+
+
+def test_loss_over_a_draft_vocabulary_counts_unscorable_targets_as_misses():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    draft = torch.tensor([7, 9, 10])  # 8 is not scored: head 0's target at t=1
+    logits = torch.full((1, 1, 6, 3), -20.0)
+    for t, tok in enumerate([7, 8, 9, 10]):
+        if tok in draft:
+            logits[0, 0, t, (draft == tok).nonzero()] = 20.0
+    loss, acc = medusa_loss(logits, ids, torch.ones_like(ids), draft_ids=draft)
+    assert loss.item() < 1e-6  # the scorable targets are predicted perfectly
+    assert acc == [0.75]  # 3 of the 4 targets; the unscorable one is a miss
+
+
+def test_draft_vocabulary_must_be_sorted_distinct_ids():
+    with pytest.raises(ValueError, match="draft_vocab must be sorted, distinct token ids in \\[0, 96\\)"):
+        MedusaConfig(hidden_size=64, vocab_size=96, draft_vocab=(5, 3))
+    with pytest.raises(ValueError, match="draft_vocab"):
+        MedusaConfig(hidden_size=64, vocab_size=96, draft_vocab=(5, 96))
