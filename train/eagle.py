@@ -99,16 +99,17 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
     outs = unroll(head, tokens, feats, positions, cfg.heads.ttt_steps)
     model = _unwrap(head)
     weight = model.lm_head.weight[model.draft_ids]  # [Vd, H]
-    next_feats = features[:, 1:]  # [B, W, H]
+    wanted = features[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
+    with torch.no_grad():  # so the target's distribution is computed once for all steps
+        target_probs = (wanted.to(weight.dtype) @ weight.T).float().softmax(-1)  # [M0, Vd]
     total, stats, norm = 0.0, {}, 0.0
     for k, pred in enumerate(outs):
         valid = _valid(counts, k)
-        want = next_feats[valid]  # [M, H]
+        keep = valid[counts]  # [M0]: which of the counted positions step k predicts
+        want, target_p = wanted[keep], target_probs[keep]  # [M, H], [M, Vd]
         got = pred[valid]
         reg = F.smooth_l1_loss(got, want.to(got.dtype))
         logits = (got @ weight.T).float()  # [M, Vd]
-        with torch.no_grad():
-            target_p = (want.to(weight.dtype) @ weight.T).float().softmax(-1)
         ce = -(target_p * logits.log_softmax(-1)).sum(-1).mean()
         w = cfg.heads.ttt_decay ** k
         total = total + w * (reg + cfg.heads.cls_weight * ce)
