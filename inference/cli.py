@@ -29,6 +29,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", help="one user message; the answer streams to stdout, stats go to stderr")
     src.add_argument("--questions", type=Path, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
     p.add_argument("--limit", type=int, help="first N questions only")
+    p.add_argument("--per-category", type=int, metavar="N", help="first N questions of every category (a balanced subset)")
     p.add_argument("--turn", type=int, choices=(1, 2), default=1,
                    help="2: answer the second turn after the method's own first answer")
     p.add_argument("--max-new-tokens", type=int, required=True)
@@ -58,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     parse_device(args.device)
-    questions = load_questions(args.questions, args.limit) if args.questions else None
+    questions = load_questions(args.questions, args.limit, args.per_category) if args.questions else None
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         out_file = args.output.open("w", encoding="utf-8")  # fail now, not after minutes of generation
@@ -147,6 +148,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "Default: ar,hf,ngram")
     p.add_argument("--questions", type=Path, required=True, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
     p.add_argument("--limit", type=int, help="first N questions only (N >= 1; omit for all)")
+    p.add_argument("--per-category", type=int, metavar="N",
+                   help="first N questions of every category: a balanced subset (MT-bench lists its categories in blocks)")
     p.add_argument("--turns", type=int, choices=(1, 2), default=1,
                    help="2: also answer each question's second turn after the method's own first answer (MT-bench)")
     p.add_argument("--max-new-tokens", type=int, required=True)
@@ -203,7 +206,7 @@ def _run_bench(args: argparse.Namespace) -> None:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     parse_device(args.device)
-    questions = load_questions(args.questions, args.limit)
+    questions = load_questions(args.questions, args.limit, args.per_category)
     if args.turns == 2 and any(len(q.turns) < 2 for q in questions):
         raise ValueError(f"--turns 2 needs two turns per question; {args.questions} has single-turn questions")
     if args.output is not None:
@@ -213,6 +216,7 @@ def _run_bench(args: argparse.Namespace) -> None:
     if args.report_to == "wandb":
         bench_report.require_wandb()
     config = {"target": args.target, "methods": [s.name for s in specs], "questions": str(args.questions),
+              "limit": args.limit, "per_category": args.per_category,
               "num_questions": len(questions), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "warmup": args.warmup, "device": args.device, "dtype": args.dtype,

@@ -14,11 +14,19 @@ class Question:
     turns: tuple[str, ...]
 
 
-def load_questions(path: str | Path, limit: int | None = None) -> list[Question]:
-    """Read a JSONL question file; a bad line raises ValueError naming the file and line number."""
+def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+    """Read a JSONL question file; a bad line raises ValueError naming the file and line number.
+
+    `per_category` keeps the first N questions of every category (a balanced subset: MT-bench lists
+    its categories one after another, so its first questions are all "writing"); `limit` then caps
+    the total.
+    """
     path = Path(path)
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
+    if per_category is not None and per_category < 1:
+        raise ValueError(f"--per-category must be >= 1, got {per_category}")
+    taken: dict[str, int] = {}
     if not path.is_file():
         raise ValueError(f"questions file {path} does not exist; pass a JSONL file with question_id, category, turns")
     questions: list[Question] = []
@@ -35,7 +43,12 @@ def load_questions(path: str | Path, limit: int | None = None) -> list[Question]
                 raise ValueError(f"{path}:{lineno}: needs a non-empty list of strings under \"turns\"")
             if "question_id" not in row:
                 raise ValueError(f"{path}:{lineno}: missing \"question_id\"")
-            questions.append(Question(row["question_id"], str(row.get("category", "")), tuple(turns)))
+            category = str(row.get("category", ""))
+            if per_category is not None:
+                if taken.get(category, 0) >= per_category:
+                    continue
+                taken[category] = taken.get(category, 0) + 1
+            questions.append(Question(row["question_id"], category, tuple(turns)))
             if limit is not None and len(questions) >= limit:
                 break
     if not questions:
