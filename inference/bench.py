@@ -1,7 +1,8 @@
 """Methods side by side on the same questions, interleaved per question so machine drift hits all alike.
 
 Method specs: the engine methods of `specheads.inference.methods.METHODS` (`ar`, `ngram`,
-`draft:PATH`, `draft:early-exit:N`, `eagle:HEADS_DIR`, `medusa:HEADS_DIR`, ...) and the
+`draft:PATH`, `draft:early-exit:N`, `eagle:HEADS_DIR`, `medusa:HEADS_DIR`, ...; heads take an
+optional `@TREE` suffix, `eagle:DIR@eagle2`, to run the same heads with another tree) and the
 transformers baselines `hf` (`generate`), `hf-assisted:PATH` (assisted generation with a draft
 model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Every method answers the same
 rendered prompt; on a second turn each method sees its own first answer. For greedy runs each
@@ -25,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from specheads.inference.engine import Engine
 from specheads.inference.methods import METHODS, DraftLoader, MethodOptions, make_proposer
 from specheads.inference.proposers.base import Proposer
+from specheads.inference.proposers.eagle import eagle_tree
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.questions import Question
@@ -32,6 +34,8 @@ from specheads.target import render_chat
 
 BASELINES = ("hf", "hf-assisted", "hf-pld")
 _NO_ARG = ("ar", "ngram", "hf")
+_TREE_METHODS = ("eagle", "medusa")  # "eagle:DIR@eagle2", "medusa:DIR@medusa-16": the heads with a named tree
+_TREE_EXAMPLE = {"eagle": "eagle2", "medusa": "medusa-16"}
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
 
 
@@ -44,6 +48,7 @@ class MethodSpec:
     name: str  # as given, e.g. "draft:early-exit:8"; the key of every record and table row
     method: str  # "ar", "hf", "ngram", "draft", ...
     arg: str | None = None  # draft model, heads folder, assistant model, or hf-pld draft length
+    tree: str | None = None  # eagle/medusa: tree preset (or medusa tree file) from an "@TREE" suffix
 
 
 def parse_methods(spec: str) -> list[MethodSpec]:
@@ -62,9 +67,16 @@ def parse_methods(spec: str) -> list[MethodSpec]:
         if method not in _NO_ARG and method != "hf-pld" and not arg:
             hint = " or draft:early-exit:N" if method == "draft" else ""
             raise ValueError(f"method {method} needs a path: {method}:PATH{hint}")
+        tree = None
+        if method in _TREE_METHODS and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
+            arg, _, tree = arg.rpartition("@")
+            if not arg or not tree:
+                raise ValueError(f"{name}: write {method}:DIR@TREE, e.g. {method}:runs/x/final@{_TREE_EXAMPLE[method]}")
+            if method == "eagle":
+                eagle_tree(tree)
         if any(s.name == name for s in out):
             raise ValueError(f"method {name!r} is listed twice in --methods")
-        out.append(MethodSpec(name=name, method=method, arg=arg or None))
+        out.append(MethodSpec(name=name, method=method, arg=arg or None, tree=tree))
     if not out:
         raise ValueError("--methods is empty; e.g. --methods ar,hf,ngram")
     return out
@@ -156,7 +168,7 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
         elif spec.method == "hf-pld":
             runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
         else:
-            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg)
+            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg, tree=spec.tree)
             runners[spec.name] = _EngineRunner(Engine(target, make_proposer(spec.method, target, opts, load_draft)))
     return runners
 

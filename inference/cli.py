@@ -23,7 +23,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--total-tokens", type=int, help="eagle: tree size including the root")
     p.add_argument("--min-expected-accepted", type=float,
                    help="eagle: take a plain step when the draft expects fewer accepted tokens (CPU: try 0.7)")
-    p.add_argument("--tree", help="medusa: tree preset name or YAML/JSON file of paths")
+    p.add_argument("--tree", help="medusa: tree preset name or YAML/JSON file of paths; "
+                                  "eagle: cpu (default: depth 5, top-4, 12 nodes), wide (6/8/32) or eagle2 (6/10/60); "
+                                  "--depth/--topk/--total-tokens override its fields")
     p.add_argument("--width", type=int, help="root branches (draft) or candidates (ngram)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the answer streams to stdout, stats go to stderr")

@@ -21,7 +21,7 @@ from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 class MethodOptions:
     draft: str | None = None  # draft model path / id, or "early-exit:N"
     heads: str | None = None  # trained heads folder (medusa, eagle)
-    tree: str | None = None  # tree preset / file for medusa
+    tree: str | None = None  # medusa: tree preset or file; eagle: tree preset (EAGLE_TREES)
     topk: int | None = None  # eagle: children per expanded node
     total_tokens: int | None = None  # eagle: tree size including the root
     min_expected: float | None = None  # eagle: plain step when the draft expects fewer accepted tokens
@@ -67,16 +67,16 @@ def _eagle(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader
     import torch
 
     from specheads.heads.eagle import EagleHead
-    from specheads.inference.proposers.eagle import EagleProposer, EagleTreeConfig
+    from specheads.inference.proposers.eagle import EagleProposer, EagleTreeConfig, eagle_tree
 
     if not opts.heads:
         raise ValueError("method 'eagle' needs --heads DIR (the final/ folder of an eagle training run)")
+    base = eagle_tree(opts.tree)  # before loading, so a bad name costs nothing
     head = EagleHead.from_pretrained(opts.heads, target)
-    defaults = EagleTreeConfig()
-    tree = EagleTreeConfig(depth=opts.depth or defaults.depth, topk=opts.topk or defaults.topk,
-                           total_tokens=opts.total_tokens or defaults.total_tokens,
+    tree = EagleTreeConfig(depth=opts.depth or base.depth, topk=opts.topk or base.topk,
+                           total_tokens=opts.total_tokens or base.total_tokens,
                            min_expected_accepted=opts.min_expected if opts.min_expected is not None
-                           else defaults.min_expected_accepted)
+                           else base.min_expected_accepted)
     vocab = head.saved_config.get("draft_vocab")
     return EagleProposer(head, tree, draft_vocab=None if vocab is None else torch.tensor(vocab, dtype=torch.long))
 

@@ -47,6 +47,25 @@ class EagleTreeConfig:
             raise ValueError("eagle tree needs depth >= 1, topk >= 1 and total_tokens >= 2")
 
 
+# Named trees (`--tree NAME`, `eagle:DIR@NAME` in bench). τ grows with the tree, and so does the verify
+# forward: on a 2-core CPU a 12-node forward costs ~1.6x a one-token step, a 60-node one ~3x.
+EAGLE_TREES: dict[str, EagleTreeConfig] = {
+    "cpu": EagleTreeConfig(),  # the default: depth 5, top-4, 12 nodes
+    "wide": EagleTreeConfig(depth=6, topk=8, total_tokens=32),
+    "eagle2": EagleTreeConfig(depth=6, topk=10, total_tokens=60),  # EAGLE-2's published GPU setting
+}
+
+
+def eagle_tree(name: str | None) -> EagleTreeConfig:
+    """The named tree (None: the default); an unknown name lists the known ones."""
+    if name is None:
+        return EagleTreeConfig()
+    if name not in EAGLE_TREES:
+        raise ValueError(f"unknown eagle tree {name!r}; use one of: {', '.join(EAGLE_TREES)} "
+                         "(or set --depth/--topk/--total-tokens)")
+    return EAGLE_TREES[name]
+
+
 class EagleProposer:
     needs_target_hidden = True
 

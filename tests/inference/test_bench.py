@@ -4,6 +4,7 @@ rows, plots, two turns, measured τ for training, W&B offline, Ctrl-C, and one-l
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -280,3 +281,21 @@ def test_eagle3_is_accepted_only_when_the_engine_has_it():
     else:
         with pytest.raises(ValueError, match=r"unknown method 'eagle3' in --methods; valid: ar"):
             parse_methods("ar,eagle3:heads")
+
+
+def test_heads_take_a_named_tree_after_an_at_sign():
+    specs = parse_methods("ar,eagle:runs/a@b/final@eagle2,eagle:runs/a@b/final,medusa:runs/m/final@medusa-32")
+    assert [(s.name, s.arg, s.tree) for s in specs[1:]] == [
+        ("eagle:runs/a@b/final@eagle2", "runs/a@b/final", "eagle2"),
+        ("eagle:runs/a@b/final", "runs/a@b/final", None),
+        ("medusa:runs/m/final@medusa-32", "runs/m/final", "medusa-32"),
+    ]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("eagle:runs/x@huge", "unknown eagle tree 'huge'; use one of: cpu, wide, eagle2"),
+    ("eagle:runs/x@", "write eagle:DIR@TREE, e.g. eagle:runs/x/final@eagle2"),
+])
+def test_a_bad_tree_name_is_refused_when_parsing(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_methods(spec)

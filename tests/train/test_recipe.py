@@ -82,10 +82,13 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     target, _ = load_target(str(tiny_run_inputs[0]))
     prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
-    eagle = Engine(target, make_proposer("eagle", target, MethodOptions(heads=str(out / "final")), None))
-    res = eagle.generate(prompt, max_new_tokens=32)
-    assert res.output_ids == plain.output_ids
-    assert res.stats.drafted > 0
+    drafted_per_step = {}
+    for tree in (None, "wide", "eagle2"):  # every named tree decodes exactly; bigger ones draft more per step
+        eagle = Engine(target, make_proposer("eagle", target, MethodOptions(heads=str(out / "final"), tree=tree), None))
+        res = eagle.generate(prompt, max_new_tokens=32)
+        assert res.output_ids == plain.output_ids, tree
+        drafted_per_step[tree] = res.stats.drafted / res.stats.steps
+    assert 0 < drafted_per_step[None] < drafted_per_step["wide"] < drafted_per_step["eagle2"], drafted_per_step
 
 
 def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_inputs, tmp_path):
