@@ -64,8 +64,6 @@ def _draft(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader
 
 
 def _eagle(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
-    import torch
-
     from specheads.heads.eagle import EagleHead
     from specheads.inference.proposers.eagle import EagleProposer, EagleTreeConfig, eagle_tree
 
@@ -77,8 +75,7 @@ def _eagle(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader
                            total_tokens=opts.total_tokens or base.total_tokens,
                            min_expected_accepted=opts.min_expected if opts.min_expected is not None
                            else base.min_expected_accepted)
-    vocab = head.saved_config.get("draft_vocab")
-    return EagleProposer(head, tree, draft_vocab=None if vocab is None else torch.tensor(vocab, dtype=torch.long))
+    return EagleProposer(head, tree)
 
 
 def _medusa(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:

@@ -23,13 +23,11 @@ EVAL_TOPK = 5
 def build_eagle(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int] | None = None) -> EagleHead:
     tcfg = target.config.get_text_config()
     vocab = target.get_output_embeddings().weight.shape[0]
+    # The draft LM head scores only the draft vocabulary at inference, so training spends its CE there too.
     head_cfg = EagleConfig(hidden_size=tcfg.hidden_size, vocab_size=vocab, num_layers=cfg.heads.eagle_layers,
-                           init_from_target_layer=cfg.heads.init_from_target_layer)
-    head = EagleHead(head_cfg, target)
-    # The draft LM head scores only these tokens at inference, so training spends its CE there too.
-    ids = torch.tensor(draft_vocab if draft_vocab is not None else range(vocab), dtype=torch.long)
-    head.register_buffer("draft_ids", ids, persistent=False)  # [Vd]
-    return head
+                           init_from_target_layer=cfg.heads.init_from_target_layer,
+                           draft_vocab=None if draft_vocab is None else tuple(draft_vocab))
+    return EagleHead(head_cfg, target)
 
 
 def _unwrap(head: torch.nn.Module) -> EagleHead:
@@ -98,7 +96,7 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
         feats = feats + (torch.rand_like(feats) - 0.5) * 2 * cfg.heads.feature_noise
     outs = unroll(head, tokens, feats, positions, cfg.heads.ttt_steps)
     model = _unwrap(head)
-    weight = model.lm_head.weight[model.draft_ids]  # [Vd, H]
+    weight = model.draft_weight()  # [Vd, H]
     wanted = features[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
     with torch.no_grad():  # so the target's distribution is computed once for all steps
         target_probs = (wanted.to(weight.dtype) @ weight.T).float().softmax(-1)  # [M0, Vd]
@@ -135,12 +133,12 @@ def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.
     tokens, feats, positions, counts = _inputs(batch, features)
     steps = min(steps, tokens.shape[1])
     target_next = head.logits(features[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
-    weight = head.lm_head.weight[head.draft_ids]  # [Vd, H]
+    weight = head.draft_weight()  # [Vd, H]
     top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     width = tokens.shape[1]
     hits = torch.zeros(steps, *counts.shape, dtype=torch.bool)  # [steps, B, W] step k hit, by chain start
     for k, pred in enumerate(unroll(head, tokens, feats, positions, steps)):
-        ranked = head.draft_ids[(pred @ weight.T).topk(topk, dim=-1).indices]  # [B, W, topk] token ids
+        ranked = head.token_ids((pred @ weight.T).topk(topk, dim=-1).indices)  # [B, W, topk] token ids
         hit = ranked[..., 0] == target_next
         hitk = (ranked == target_next[..., None]).any(-1)
         valid = _valid(counts, k)

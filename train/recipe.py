@@ -263,7 +263,7 @@ def train(cfg: TrainConfig) -> Path:
         if cfg.recipe == "medusa":
             model.save_pretrained(final, info, tree=build_static_tree(last_eval_extra[0], MEDUSA_TREE_NODES))
         else:
-            model.save_pretrained(final, info, extra={"draft_vocab": draft_vocab, "eval": _last_eval(out)})
+            model.save_pretrained(final, info, extra={"eval": _last_eval(out)})
         log.info("saved heads to %s", final)
         if cfg.measure_prompts:
             emit({"step": step, **measured_tau(cfg, target, tokenizer, eval_ds, final)})

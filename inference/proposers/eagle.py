@@ -69,16 +69,11 @@ def eagle_tree(name: str | None) -> EagleTreeConfig:
 class EagleProposer:
     needs_target_hidden = True
 
-    def __init__(self, head: EagleHead, config: EagleTreeConfig = EagleTreeConfig(),
-                 draft_vocab: torch.Tensor | None = None) -> None:
+    def __init__(self, head: EagleHead, config: EagleTreeConfig = EagleTreeConfig()) -> None:
         self.head = head.eval()
         self.config = config
         self.device = next(head.parameters()).device
-        lm_weight = head.lm_head.weight
-        # A reduced draft vocabulary makes the draft LM head proportionally cheaper; bonus tokens still come
-        # from the target's full vocabulary, so exactness is unaffected.
-        self.draft_vocab = None if draft_vocab is None else draft_vocab.to(self.device)  # [Vd]
-        self.draft_weight = lm_weight if draft_vocab is None else lm_weight[self.draft_vocab]  # [Vd, H]
+        self.draft_weight = head.draft_weight()  # [Vd, H], gathered once
         self._cache: TreeKVCache | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # features [m, H], tokens [m]
         self._n_pairs = 0  # committed (feature, token) pairs in the head cache
@@ -104,10 +99,7 @@ class EagleProposer:
     # -- drafting -------------------------------------------------------------------------------
 
     def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, Vd]
-        return (hidden.float() @ self.draft_weight.float().T).log_softmax(-1)
-
-    def _to_token(self, idx: torch.Tensor) -> torch.Tensor:
-        return idx if self.draft_vocab is None else self.draft_vocab[idx]
+        return (hidden.to(self.draft_weight.dtype) @ self.draft_weight.T).float().log_softmax(-1)
 
     @torch.inference_mode()
     def propose(self, ctx: ProposalContext) -> DraftTree:
@@ -137,7 +129,7 @@ class EagleProposer:
         logp = self._draft_logprobs(out[-1:])[0]  # children of the root
         top = logp.topk(cfg.topk)
         level = []
-        for s, i in zip(top.values.tolist(), self._to_token(top.indices).tolist()):
+        for s, i in zip(top.values.tolist(), self.head.token_ids(top.indices).tolist()):
             level.append(len(tokens))
             tokens.append(i)
             parents.append(0)
@@ -157,7 +149,7 @@ class EagleProposer:
             logp = self._draft_logprobs(h)  # [E, Vd]
             top = logp.topk(cfg.topk, dim=-1)
             level = []
-            cand_tokens = self._to_token(top.indices).tolist()
+            cand_tokens = self.head.token_ids(top.indices).tolist()
             for row, n in enumerate(expand):
                 parent_hidden[n] = h[row]
                 for s, t in zip(top.values[row].tolist(), cand_tokens[row]):

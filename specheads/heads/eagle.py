@@ -8,7 +8,8 @@ target's frozen LM head turns that into a distribution over x_{t+2}:
 
 The decoder layers are built from the target's own config and classes, so any HF
 decoder-only architecture works. Embeddings and LM head are the target's, frozen
-and not saved with the head.
+and not saved with the head. With a `draft_vocab` (see `draft_vocab.py`) the head's logits
+cover only those tokens; `token_ids` maps logit indices back to token ids.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
+from specheads.heads.draft_vocab import check_draft_vocab
 from specheads.hf import cache_kwargs, decoder_of, text_config
 
 HEAD_TYPE = "eagle"
@@ -33,10 +35,12 @@ class EagleConfig:
     vocab_size: int
     num_layers: int = 1
     init_from_target_layer: int | None = None  # copy this target layer's weights into the head's layer(s)
+    draft_vocab: tuple[int, ...] | None = None  # token ids the head scores, sorted; None: the whole vocabulary
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"eagle num_layers must be >= 1, got {self.num_layers}")
+        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, HEAD_TYPE))
 
 
 class EagleHead(nn.Module):
@@ -59,6 +63,8 @@ class EagleHead(nn.Module):
         self.layer_config = layer_cfg
         # The target's embeddings and LM head: shared, frozen, outside this module's parameters.
         self._frozen = (target.get_input_embeddings(), target.get_output_embeddings())
+        ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab, dtype=torch.long)
+        self.register_buffer("draft_ids", ids, persistent=False)  # [Vd] or None; rebuilt from the config
         self._init_weights(target)
 
     def _init_weights(self, target: nn.Module) -> None:
@@ -103,11 +109,21 @@ class EagleHead(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] over the full vocabulary
         return self.lm_head(hidden)
 
+    def draft_weight(self) -> torch.Tensor:  # [Vd, H]: the LM head rows of the draft vocabulary
+        weight = self.lm_head.weight
+        return weight if self.draft_ids is None else weight[self.draft_ids]
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into the draft logits -> token ids
+        return index if self.draft_ids is None else self.draft_ids[index]
+
     def save_pretrained(self, path: str | Path, target: TargetInfo, extra: dict | None = None) -> None:
-        save_heads(path, self, head_type=HEAD_TYPE, config={**asdict(self.config), **(extra or {})}, target=target)
+        config = asdict(self.config)
+        if config["draft_vocab"] is not None:
+            config["draft_vocab"] = list(config["draft_vocab"])
+        save_heads(path, self, head_type=HEAD_TYPE, config={**config, **(extra or {})}, target=target)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_model: nn.Module, target_name: str | None = None) -> EagleHead:
@@ -118,6 +134,5 @@ class EagleHead(nn.Module):
         fields = {k: v for k, v in config.items() if k in EagleConfig.__dataclass_fields__}
         head = cls(EagleConfig(**{**fields, "init_from_target_layer": None}), target_model)
         head.load_state_dict(state, strict=True)
-        head.saved_config = config  # extra keys (e.g. measured accuracies) for the proposer
         return head.to(next(target_model.parameters()).device).eval()
 

@@ -4,9 +4,7 @@ At the hidden state h of token x_t the target's LM head predicts x_{t+1}; Medusa
 (k = 0..K-1) predicts x_{t+k+2}. Each head is `num_layers` residual blocks followed by
 an LM head: either the target's own (shared, frozen, not saved) or a trainable copy.
 
-With a `draft_vocab` (the most frequent tokens of the training data) every LM head scores only
-those tokens: drafting and training cost a fraction of the full-vocabulary head, and exactness
-is untouched since verification and bonus tokens use the target's full vocabulary.
+With a `draft_vocab` (see `draft_vocab.py`) every LM head scores only those tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
+from specheads.heads.draft_vocab import check_draft_vocab
 from specheads.trees import validate_tree
 
 log = logging.getLogger(__name__)
@@ -44,11 +43,7 @@ class MedusaConfig:
                 raise ValueError(f"medusa {name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.own_lm_head, bool):
             raise ValueError(f"medusa own_lm_head must be true or false, got {self.own_lm_head!r}")
-        if self.draft_vocab is not None:
-            ids = tuple(int(i) for i in self.draft_vocab)
-            if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= self.vocab_size:
-                raise ValueError(f"medusa draft_vocab must be sorted, distinct token ids in [0, {self.vocab_size})")
-            object.__setattr__(self, "draft_vocab", ids)  # JSON gives a list; keep the config hashable
+        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, HEAD_TYPE))
 
     @property
     def scored_vocab_size(self) -> int:

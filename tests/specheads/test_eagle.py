@@ -1,0 +1,55 @@
+"""The EAGLE head: its draft vocabulary lives in its config and survives a save/load roundtrip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specheads.heads.checkpoint import CONFIG_NAME, TargetInfo
+from specheads.heads.eagle import EagleConfig, EagleHead
+from tests.conftest import tiny_model
+
+
+@pytest.fixture
+def target():
+    return tiny_model("llama", seed=0)
+
+
+def _head(target, draft_vocab=None):
+    torch.manual_seed(1)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    return EagleHead(EagleConfig(hidden_size=hidden, vocab_size=vocab, draft_vocab=draft_vocab), target)
+
+
+def test_draft_vocab_roundtrip_gives_the_same_draft_logits_and_token_ids(tmp_path, target):
+    ids = (3, 7, 8, 40, 95)
+    head = _head(target, draft_vocab=ids)
+    assert torch.equal(head.draft_weight(), target.get_output_embeddings().weight[list(ids)])
+    assert head.token_ids(torch.tensor([0, 4, 2])).tolist() == [3, 95, 8]
+    head.save_pretrained(tmp_path / "h", TargetInfo.from_model(target, "tiny"))
+    saved = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())
+    assert saved["config"]["draft_vocab"] == list(ids)
+
+    loaded = EagleHead.from_pretrained(tmp_path / "h", target)
+    assert loaded.config.draft_vocab == ids
+    tokens, feats = torch.randint(0, 96, (1, 6)), torch.randn(1, 6, head.config.hidden_size)
+    positions = torch.arange(6)[None]
+    with torch.no_grad():
+        want = head.eval()(tokens, feats, positions) @ head.draft_weight().T
+        got = loaded(tokens, feats, positions) @ loaded.draft_weight().T
+    assert want.shape[-1] == len(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_without_a_draft_vocab_the_head_scores_every_token(target):
+    head = _head(target)
+    assert head.draft_ids is None and head.draft_weight() is target.get_output_embeddings().weight
+    assert head.token_ids(torch.tensor([5])).tolist() == [5]
+
+
+@pytest.mark.parametrize("ids", [(), (5, 3), (1, 1), (-1, 2), (2, 96)])
+def test_a_bad_draft_vocab_is_refused(target, ids):
+    with pytest.raises(ValueError, match=r"eagle draft_vocab must be sorted, distinct token ids in \[0, 96\)"):
+        _head(target, draft_vocab=ids)
