@@ -48,7 +48,7 @@ class EagleTreeConfig:
 
 
 # Named trees (`--tree NAME`, `eagle:DIR@NAME` in bench). τ grows with the tree, and so does the verify
-# forward: on a 2-core CPU a 12-node forward costs ~1.6x a one-token step, a 60-node one ~3x.
+# forward: on a 2-core CPU a 12-node forward costs ~1.6x a one-token step, a 60-node one ~3.5x.
 EAGLE_TREES: dict[str, EagleTreeConfig] = {
     "cpu": EagleTreeConfig(),  # the default: depth 5, top-4, 12 nodes
     "wide": EagleTreeConfig(depth=6, topk=8, total_tokens=32),
