@@ -120,10 +120,7 @@ class EagleHead(nn.Module):
         return index if self.draft_ids is None else self.draft_ids[index]
 
     def save_pretrained(self, path: str | Path, target: TargetInfo, extra: dict | None = None) -> None:
-        config = asdict(self.config)
-        if config["draft_vocab"] is not None:
-            config["draft_vocab"] = list(config["draft_vocab"])
-        save_heads(path, self, head_type=HEAD_TYPE, config={**config, **(extra or {})}, target=target)
+        save_heads(path, self, head_type=HEAD_TYPE, config={**asdict(self.config), **(extra or {})}, target=target)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_model: nn.Module, target_name: str | None = None) -> EagleHead:

@@ -151,9 +151,7 @@ class MedusaHeads(nn.Module):
 
     def save_pretrained(self, path: str | os.PathLike, target: TargetInfo, tree: list[list[int]] | None = None) -> None:
         """Save config, weights (not the shared target LM head) and optionally the static tree to use."""
-        config = asdict(self.config)
-        if config["draft_vocab"] is not None:
-            config["draft_vocab"] = list(config["draft_vocab"])
+        config = asdict(self.config)  # JSON writes the draft_vocab tuple as a list
         config["tree"] = validate_tree(tree) if tree is not None else None
         save_heads(path, self, head_type=HEAD_TYPE, config=config, target=target, exclude_prefixes=(_SHARED_PREFIX,))
 
