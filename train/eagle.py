@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 from transformers import DynamicCache
 
 from specheads.heads.eagle import EagleConfig, EagleHead
@@ -28,10 +29,6 @@ def build_eagle(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int
                            init_from_target_layer=cfg.heads.init_from_target_layer,
                            draft_vocab=None if draft_vocab is None else tuple(draft_vocab))
     return EagleHead(head_cfg, target)
-
-
-def _unwrap(head: torch.nn.Module) -> EagleHead:
-    return head.module if hasattr(head, "module") else head
 
 
 def _inputs(batch: dict[str, torch.Tensor], features: torch.Tensor):
@@ -95,7 +92,7 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
     if cfg.heads.feature_noise > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * 2 * cfg.heads.feature_noise
     outs = unroll(head, tokens, feats, positions, cfg.heads.ttt_steps)
-    model = _unwrap(head)
+    model = extract_model_from_parallel(head)  # DDP hides the head's own methods
     weight = model.draft_weight()  # [Vd, H]
     wanted = features[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
     with torch.no_grad():  # so the target's distribution is computed once for all steps

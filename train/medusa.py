@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 
 from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from specheads.train.config import TrainConfig
@@ -35,8 +36,8 @@ def medusa_step_loss(heads: torch.nn.Module, target: torch.nn.Module, batch: dic
                      cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
     features, labels = _features_and_labels(target, batch)
     mask = batch["loss_mask"] * batch["attention_mask"]
-    unwrapped = heads.module if hasattr(heads, "module") else heads
-    loss, accs = medusa_loss(heads(features), labels, mask, decay=cfg.heads.medusa_decay, draft_ids=unwrapped.draft_ids)
+    draft_ids = extract_model_from_parallel(heads).draft_ids  # DDP hides the heads' own attributes
+    loss, accs = medusa_loss(heads(features), labels, mask, decay=cfg.heads.medusa_decay, draft_ids=draft_ids)
     return loss, {f"top1_head{k}": a for k, a in enumerate(accs)} | {"top1": accs[0]}
 
 
