@@ -113,7 +113,16 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """Plain YAML/JSON data (tuples become lists), so a saved config compares equal to a loaded one."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

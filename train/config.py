@@ -35,6 +35,7 @@ class HeadsConfig:
     feature_noise: float = 0.0  # EAGLE: uniform noise of this amplitude on input features (regularisation)
     ttt_steps: int = 1  # EAGLE: draft steps unrolled in training, each fed the previous step's outputs (1 = EAGLE-1)
     ttt_decay: float = 0.8  # EAGLE: loss weight of unrolled step k is ttt_decay**k
+    aux_layers: tuple[int, ...] = ()  # EAGLE: target hidden_states also fed to the head (EAGLE-3: 2, L//2, L-3); () = EAGLE-1
     medusa_heads: int = 4
     medusa_layers: int = 1
     medusa_decay: float = 0.8  # Medusa: head k's loss weight is decay**k
@@ -101,6 +102,12 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.heads.aux_layers and self.recipe != "eagle":
+            raise ValueError("heads.aux_layers is an EAGLE setting; remove it for the medusa recipe")
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:  # the target layers the features hold besides the last one
+        return self.heads.aux_layers if self.recipe == "eagle" else ()
 
 
 def load_train_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:

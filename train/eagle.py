@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from specheads.heads.eagle import EagleConfig, EagleHead
 from specheads.train.config import TrainConfig
-from specheads.train.features import batch_features
+from specheads.train.features import batch_features, last_layer
 
 EVAL_STEPS = 4  # draft steps evaluated (chain depth of the simulated acceptance length)
 EVAL_TOPK = 5
@@ -27,12 +27,13 @@ def build_eagle(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int
     # The draft LM head scores only the draft vocabulary at inference, so training spends its CE there too.
     head_cfg = EagleConfig(hidden_size=tcfg.hidden_size, vocab_size=vocab, num_layers=cfg.heads.eagle_layers,
                            init_from_target_layer=cfg.heads.init_from_target_layer,
-                           draft_vocab=None if draft_vocab is None else tuple(draft_vocab))
+                           draft_vocab=None if draft_vocab is None else tuple(draft_vocab),
+                           aux_layers=cfg.heads.aux_layers)
     return EagleHead(head_cfg, target)
 
 
 def _inputs(batch: dict[str, torch.Tensor], features: torch.Tensor):
-    """Pairs (F_t, x_{t+1}) at positions t = 0..T-2, and where the prediction of F_{t+1} counts."""
+    """Pairs (features_t, x_{t+1}) at positions t = 0..T-2, and where the prediction of F_{t+1} counts."""
     ids = batch["input_ids"]
     tokens = ids[:, 1:]  # [B, W] with W = T-1
     feats = features[:, :-1]  # [B, W, H]
@@ -71,7 +72,7 @@ def unroll(head: torch.nn.Module, tokens: torch.Tensor, feats: torch.Tensor, pos
     for k in range(steps):
         mask = ttt_mask(tokens.shape[1], k, cur.dtype, cur.device)
         outs.append(head(tokens, cur, positions, attention_mask=mask, cache=cache))
-        cur = torch.cat([feats[:, :1], outs[-1][:, :-1]], dim=1)  # index 0 has no predecessor; never counted
+        cur = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], dim=1)  # index 0 has no predecessor; never counted
     return outs
 
 
@@ -87,14 +88,15 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
     """1. Target features (no grad). 2. Noisy features in, predicted next features out, for each TTT step.
     3. Per step: SmoothL1 on features + cls_weight x soft CE against the target's distribution over the
        draft vocabulary, on the positions that count; step k weighs ttt_decay**k."""
-    features = batch_features(target, batch)
+    model = extract_model_from_parallel(head)  # DDP hides the head's own methods
+    features = batch_features(target, batch, cfg.heads.aux_layers)  # [B, T, W]
     tokens, feats, positions, counts = _inputs(batch, features)
+    last = last_layer(features, model.config.hidden_size)  # [B, T, H]: F, what the head predicts
     if cfg.heads.feature_noise > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * 2 * cfg.heads.feature_noise
     outs = unroll(head, tokens, feats, positions, cfg.heads.ttt_steps)
-    model = extract_model_from_parallel(head)  # DDP hides the head's own methods
     weight = model.draft_weight()  # [Vd, H]
-    wanted = features[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
+    wanted = last[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
     with torch.no_grad():  # so the target's distribution is computed once for all steps
         target_probs = (wanted.to(weight.dtype) @ weight.T).float().softmax(-1)  # [M0, Vd]
     total, stats, norm = 0.0, {}, 0.0
@@ -126,10 +128,10 @@ def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.
     Returns tensors so callers can reduce across processes: correct_top1 [steps], correct_topk [steps],
     positions [steps], accepted (sum of leading correct steps per start position), starts.
     """
-    features = batch_features(target, batch)
+    features = batch_features(target, batch, head.config.aux_layers)  # [B, T, W]
     tokens, feats, positions, counts = _inputs(batch, features)
     steps = min(steps, tokens.shape[1])
-    target_next = head.logits(features[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
+    target_next = head.logits(last_layer(features, head.config.hidden_size)[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
     weight = head.draft_weight()  # [Vd, H]
     top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     width = tokens.shape[1]

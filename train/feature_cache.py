@@ -4,8 +4,9 @@ Online training runs the frozen target inside every step; offline training runs 
 conversation and reads features back from disk (memory-mapped), which pays off from the second
 epoch on and frees the accelerator from the target during training. Both produce the same batches.
 
-Layout: `DIR/index.json` ({"hidden_size", "dtype", "examples": [[shard, offset, length], ...],
-"fingerprint"}) and `DIR/shard_00000.safetensors` ... each holding one tensor `features` [tokens, H].
+Layout: `DIR/index.json` ({"hidden_size", "aux_layers", "dtype", "examples": [[shard, offset, length], ...],
+"fingerprint"}) and `DIR/shard_00000.safetensors` ... each holding one tensor `features` [tokens, W]
+with W = (len(aux_layers) + 1) * hidden_size (see `features.py` for the row layout).
 """
 
 from __future__ import annotations
@@ -45,22 +46,28 @@ def write_feature_cache(
     *,
     target_name: str,
     dtype: str = "bfloat16",
+    aux_layers: Sequence[int] = (),
     shard_tokens: int = 1 << 20,
 ) -> Path:
-    """Compute and store features for every example; a complete cache for the same data is reused as is."""
+    """Compute and store features for every example. A complete cache for the same data is reused
+    when it holds the same aux layers, or when only the last layer is wanted (any cache has it)."""
     if dtype not in DTYPES:
         raise ValueError(f"feature dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     fp = fingerprint(input_ids, target_name)
     index_path = out / "index.json"
-    if index_path.is_file() and json.loads(index_path.read_text()).get("fingerprint") == fp:
-        log.info("reusing the feature cache in %s", out)
-        return out
+    aux_layers = [int(i) for i in aux_layers]
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        if index.get("fingerprint") == fp and (not aux_layers or index.get("aux_layers", []) == aux_layers):
+            log.info("reusing the feature cache in %s", out)
+            return out
     out.mkdir(parents=True, exist_ok=True)
     hidden = target.config.get_text_config().hidden_size
+    width = (len(aux_layers) + 1) * hidden
     total = sum(len(ids) for ids in input_ids)
-    size = total * hidden * torch.tensor([], dtype=DTYPES[dtype]).element_size()
-    log.info("feature cache: %d tokens x %d x %s = %.2f GB in %s", total, hidden, dtype, size / 1e9, out)
+    size = total * width * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    log.info("feature cache: %d tokens x %d x %s = %.2f GB in %s", total, width, dtype, size / 1e9, out)
     device = next(target.parameters()).device
     examples: list[list[int]] = []
     pending: list[torch.Tensor] = []
@@ -77,7 +84,7 @@ def write_feature_cache(
 
     for ids in tqdm(input_ids, desc="caching features", unit="conv"):
         x = torch.tensor([ids], device=device)
-        feats = target_features(target, x, torch.ones_like(x))[0].to("cpu", DTYPES[dtype])  # [T, H]
+        feats = target_features(target, x, torch.ones_like(x), aux_layers)[0].to("cpu", DTYPES[dtype])  # [T, W]
         examples.append([shard, pending_tokens, len(ids)])
         pending.append(feats)
         pending_tokens += len(ids)
@@ -86,13 +93,13 @@ def write_feature_cache(
     flush()
     # The index goes last: a cache without it is incomplete and gets rebuilt.
     tmp = out / "index.json.tmp"
-    tmp.write_text(json.dumps({"hidden_size": hidden, "dtype": dtype, "fingerprint": fp, "examples": examples}))
+    tmp.write_text(json.dumps({"hidden_size": hidden, "aux_layers": aux_layers, "dtype": dtype, "fingerprint": fp, "examples": examples}))
     os.replace(tmp, index_path)
     return out
 
 
 class FeatureCache:
-    """Reads one example's features [T, H] from the memory-mapped shards."""
+    """Reads one example's features [T, W] from the memory-mapped shards."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -102,6 +109,8 @@ class FeatureCache:
         index = json.loads(index_path.read_text())
         self.examples: list[list[int]] = index["examples"]
         self.hidden_size: int = index["hidden_size"]
+        self.aux_layers: list[int] = index.get("aux_layers", [])
+        self.width = (len(self.aux_layers) + 1) * self.hidden_size
         self._files: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -115,10 +124,10 @@ class FeatureCache:
 
 
 def collate_with_features(examples: Sequence[Mapping[str, Any]], pad_id: int, cache: FeatureCache) -> dict[str, torch.Tensor]:
-    """`collate` plus `features` [B, T, H] (fp32, zeros on padding) read from the cache by example `row` index."""
+    """`collate` plus `features` [B, T, W] (fp32, zeros on padding) read from the cache by example `row` index."""
     batch = collate(examples, pad_id)
     b, t = batch["input_ids"].shape
-    feats = torch.zeros(b, t, cache.hidden_size)
+    feats = torch.zeros(b, t, cache.width)
     for r, e in enumerate(examples):
         f = cache[int(e["row"])]
         feats[r, : f.shape[0]] = f.float()

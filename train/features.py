@@ -1,6 +1,14 @@
-"""Target features for drafter training, computed online inside the training step (no grad)."""
+"""Target features for drafter training: the frozen target's hidden states, computed online inside
+the training step (no grad) or read from the offline cache.
+
+A feature row is cat(aux layers..., last layer) [W = (len(aux_layers) + 1) * H], the layout
+`EagleHead.select_features` builds at decode time; the last H columns are always the last hidden
+state after the final norm (what the LM head reads), so every objective finds it in the same place.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -8,11 +16,25 @@ from torch import nn
 from specheads.hf import decoder_of
 
 
-def batch_features(target: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # [B, T, H]
-    """Features from the batch when they were cached offline, else computed by the target now."""
-    if "features" in batch:
-        return batch["features"].to(next(target.parameters()).dtype)
-    return target_features(target, batch["input_ids"], batch["attention_mask"])
+def batch_features(target: nn.Module, batch: dict[str, torch.Tensor], aux_layers: Sequence[int] = ()) -> torch.Tensor:
+    """[B, T, W] features from the batch when they were cached offline, else computed by the target now.
+
+    A cache holding aux layers also serves a run that wants only the last layer (its last H columns)."""
+    if "features" not in batch:
+        return target_features(target, batch["input_ids"], batch["attention_mask"], aux_layers)
+    feats = batch["features"].to(next(target.parameters()).dtype)
+    hidden = target.config.get_text_config().hidden_size
+    want = (len(aux_layers) + 1) * hidden
+    if feats.shape[-1] == want:
+        return feats
+    if not aux_layers:
+        return last_layer(feats, hidden)
+    raise ValueError(f"the feature cache holds {feats.shape[-1] // hidden} layer(s) per token but the heads read "
+                     f"{len(aux_layers) + 1}; rebuild it (a new feature_cache_dir) with these heads.aux_layers")
+
+
+def last_layer(features: torch.Tensor, hidden_size: int) -> torch.Tensor:  # [..., W] -> [..., H]
+    return features[..., -hidden_size:]
 
 
 @torch.no_grad()
@@ -20,7 +42,11 @@ def target_features(
     target: nn.Module,
     input_ids: torch.Tensor,  # [B, T]
     attention_mask: torch.Tensor,  # [B, T]
-) -> torch.Tensor:  # [B, T, H] the target's last hidden state, after the final norm (what its LM head reads)
+    aux_layers: Sequence[int] = (),
+) -> torch.Tensor:  # [B, T, W]: cat(hidden_states[aux]..., last hidden state after the final norm)
     """Run the frozen target's decoder stack only: the full-vocabulary logits are never materialised here."""
-    out = decoder_of(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state
+    out = decoder_of(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                             output_hidden_states=bool(aux_layers))
+    if not aux_layers:
+        return out.last_hidden_state
+    return torch.cat([out.hidden_states[i] for i in aux_layers] + [out.last_hidden_state], dim=-1)

@@ -6,6 +6,12 @@ target's frozen LM head turns that into a distribution over x_{t+2}:
 
     h = fc(cat(embed(x_{t+1}), F_t)) -> decoder layer(s) of the target's architecture -> F̂_{t+1}
 
+With `aux_layers` (EAGLE-3's multi-layer features) the head also reads the target's hidden
+states after those intermediate layers: `fuse` maps cat(aux..., F_t) back to one feature. It
+starts as "pass F_t through" (aux weights zero), so training begins from EAGLE-1 and can only
+add what the lower layers know about tokens further ahead. Draft steps after the first read the
+head's own predicted feature, which already lives in F's space, so they skip `fuse`.
+
 The decoder layers are built from the target's own config and classes, so any HF
 decoder-only architecture works. Embeddings and LM head are the target's, frozen
 and not saved with the head. With a `draft_vocab` (see `draft_vocab.py`) the head's logits
@@ -36,10 +42,12 @@ class EagleConfig:
     num_layers: int = 1
     init_from_target_layer: int | None = None  # copy this target layer's weights into the head's layer(s)
     draft_vocab: tuple[int, ...] | None = None  # token ids the head scores, sorted; None: the whole vocabulary
+    aux_layers: tuple[int, ...] = ()  # target hidden_states indices fused with F_t (EAGLE-3: low, mid, high); () = EAGLE-1
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"eagle num_layers must be >= 1, got {self.num_layers}")
+        object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
         object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, HEAD_TYPE))
 
 
@@ -49,6 +57,7 @@ class EagleHead(nn.Module):
         tcfg = text_config(target)
         if tcfg.hidden_size != config.hidden_size:
             raise ValueError(f"eagle hidden_size {config.hidden_size} != target hidden size {tcfg.hidden_size}")
+        check_aux_layers(config.aux_layers, tcfg.num_hidden_layers)
         self.config = config
         decoder = decoder_of(target)
         layer_cfg = copy.deepcopy(tcfg)
@@ -58,6 +67,9 @@ class EagleHead(nn.Module):
         layer_cls = type(decoder.layers[0])
         dtype = next(target.parameters()).dtype
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True, dtype=dtype)
+        if config.aux_layers:
+            width = (len(config.aux_layers) + 1) * config.hidden_size
+            self.fuse = nn.Linear(width, config.hidden_size, bias=False, dtype=dtype)
         self.layers = nn.ModuleList(layer_cls(layer_cfg, layer_idx=i).to(dtype) for i in range(config.num_layers))
         self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
         self.layer_config = layer_cfg
@@ -75,6 +87,9 @@ class EagleHead(nn.Module):
             self.fc.weight[:, h:].copy_(torch.eye(h))
             self.fc.weight[:, :h].normal_(std=0.02)
             self.fc.bias.zero_()
+            if self.config.aux_layers:  # aux layers start silent: the head begins as EAGLE-1
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -h:].copy_(torch.eye(h))
         src = self.config.init_from_target_layer
         if src is not None:
             layers = decoder_of(target).layers
@@ -91,16 +106,37 @@ class EagleHead(nn.Module):
     def lm_head(self) -> nn.Module:
         return self._frozen[1]
 
+    @property
+    def feature_width(self) -> int:  # width of the target features the head reads: (len(aux_layers) + 1) * H
+        return (len(self.config.aux_layers) + 1) * self.config.hidden_size
+
+    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., W]
+        """The target features this head reads, from a forward's `hidden_states` (embeddings first, the
+        last entry after the final norm): cat(aux layers..., last)."""
+        return torch.cat([hidden_states[i] for i in self.config.aux_layers] + [hidden_states[-1]], dim=-1)
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., W] target features -> [..., H]
+        if not self.config.aux_layers:
+            return features
+        h = self.config.hidden_size
+        aux, last = features[..., :-h], features[..., -h:]
+        # Intermediate residual streams differ in scale by layer; RMS-normalise each before fusing.
+        aux = aux.unflatten(-1, (-1, h))
+        aux = aux * torch.rsqrt(aux.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(aux.dtype)
+        return self.fuse(torch.cat([aux.flatten(-2), last], dim=-1))
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] tokens x_{t+1}
-        features: torch.Tensor,  # [B, T, H] target features F_t
+        features: torch.Tensor,  # [B, T, W] target features (fused here) or [B, T, H] the head's own predictions
         position_ids: torch.Tensor,  # [B, T]
         attention_mask: torch.Tensor | None = None,  # [B, 1, T, S] additive; None = causal, no cache prefix
         cache: Any = None,  # an HF Cache holding earlier positions (inference)
     ) -> torch.Tensor:  # [B, T, H] predicted features F̂_{t+1}
         with torch.no_grad():
             emb = self.embed_tokens(input_ids)
+        if features.shape[-1] != self.config.hidden_size:
+            features = self.fuse_features(features)
         hidden = self.fc(torch.cat([emb.to(features.dtype), features], dim=-1))
         pos = self.rotary_emb(hidden, position_ids=position_ids)
         extra = cache_kwargs(self.layers[0], cache) if cache is not None else {}
@@ -133,3 +169,10 @@ class EagleHead(nn.Module):
         head.load_state_dict(state, strict=True)
         return head.to(next(target_model.parameters()).device).eval()
 
+
+
+def check_aux_layers(aux_layers: tuple[int, ...], num_target_layers: int) -> None:
+    """Aux layers index the target's hidden_states strictly between the embeddings and the last layer."""
+    if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < i < num_target_layers for i in aux_layers):
+        raise ValueError(f"eagle aux_layers must be sorted, distinct hidden_states indices in [1, {num_target_layers - 1}] "
+                         f"for a {num_target_layers}-layer target (EAGLE-3 uses 2, L//2, L-3), got {list(aux_layers)}")

@@ -7,7 +7,7 @@ import torch
 
 from specheads.train.data import collate
 from specheads.train.feature_cache import FeatureCache, collate_with_features, write_feature_cache
-from specheads.train.features import target_features
+from specheads.train.features import batch_features, target_features
 from tests.conftest import tiny_model
 
 
@@ -53,3 +53,41 @@ def test_cache_is_reused_for_the_same_data_and_rebuilt_for_other_data(tmp_path):
 def test_missing_cache_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no feature cache"):
         FeatureCache(tmp_path / "nothing")
+
+
+def test_aux_layer_features_are_the_hidden_states_and_cache_like_online(tmp_path):
+    target = tiny_model("llama")
+    ex = examples()
+    batch = collate([ex[0], ex[3]], 0)
+    feats = target_features(target, batch["input_ids"], batch["attention_mask"], aux_layers=(1, 3))
+    full = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    hs = full.hidden_states
+    assert feats.shape[-1] == 3 * hs[0].shape[-1]
+    valid = batch["attention_mask"].bool()
+    want = torch.cat([hs[1], hs[3], hs[-1]], dim=-1)
+    torch.testing.assert_close(feats[valid], want[valid], atol=1e-5, rtol=1e-5)
+    # The last H columns are what the LM head reads: the plain features.
+    torch.testing.assert_close(feats[..., -64:], target_features(target, batch["input_ids"], batch["attention_mask"]))
+
+    write_feature_cache(target, [e["input_ids"] for e in ex], tmp_path, target_name="tiny", dtype="float32",
+                        aux_layers=(1, 3))
+    cache = FeatureCache(tmp_path)
+    assert cache.aux_layers == [1, 3] and cache.width == 192
+    offline = collate_with_features([ex[0], ex[3]], 0, cache)
+    torch.testing.assert_close(offline["features"][valid], feats[valid], atol=1e-5, rtol=1e-5)
+    # A run that wants only the last layer (Medusa) reads its columns from the same cache ...
+    torch.testing.assert_close(batch_features(target, offline)[valid], feats[..., -64:][valid], atol=1e-5, rtol=1e-5)
+    # ... but heads that want other aux layers are told to rebuild it.
+    with pytest.raises(ValueError, match="holds 3 layer"):
+        batch_features(target, offline, aux_layers=(2,))
+
+
+def test_cache_without_aux_layers_is_rebuilt_for_heads_that_need_them(tmp_path):
+    target = tiny_model("llama")
+    ids = [e["input_ids"] for e in examples(3)]
+    write_feature_cache(target, ids, tmp_path, target_name="tiny", dtype="float32")
+    write_feature_cache(target, ids, tmp_path, target_name="tiny", dtype="float32", aux_layers=(2,))
+    assert FeatureCache(tmp_path).width == 128
+    stamp = (tmp_path / "index.json").stat().st_mtime_ns
+    write_feature_cache(target, ids, tmp_path, target_name="tiny", dtype="float32")  # last layer only: reused
+    assert (tmp_path / "index.json").stat().st_mtime_ns == stamp

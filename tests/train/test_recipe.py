@@ -58,10 +58,12 @@ def train_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(out) if "loss" in r}
 
 
-def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_path):
+@pytest.mark.parametrize("heads", [(), ("heads.aux_layers=[1,2]", "features=offline", "feature_dtype=float32")],
+                         ids=["eagle1", "aux-layers-offline"])
+def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_path, heads):
     out = tmp_path / "run"
     assert train_main(base_args(tiny_run_inputs, out, "max_steps=24", "save_every=24", "eval_every=12",
-                                "optim.lr=0.01")) == 0
+                                "optim.lr=0.01", *heads)) == 0
     losses = train_losses(out)
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (22, 23, 24)) / 3
     assert last < 0.85 * first, losses
@@ -69,6 +71,7 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     assert [r["step"] for r in evals] == [12, 24] and "eval/simulated_tau_chain" in evals[-1]
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["head_type"] == "eagle" and len(cfg["config"]["draft_vocab"]) == 48
+    assert cfg["config"]["aux_layers"] == ([1, 2] if heads else [])
     assert (out / "config.yaml").is_file()
     measured = metrics(out)[-1]  # the saved heads decoding held-out prompts through the bench's runner
     assert measured["eval/measured_prompts"] == 4  # the default, all from held-out conversations
@@ -153,6 +156,9 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path):
         load_train_config(None, ["data.max_conversation=3"])
     with pytest.raises(ValueError, match="must be an integer"):
         load_train_config(None, ["max_steps=ten"])
+    with pytest.raises(ValueError, match="heads.aux_layers is an EAGLE setting"):
+        load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
+    assert load_train_config(None, ["heads.aux_layers=[2,15,27]"]).aux_layers == (2, 15, 27)
 
 
 def test_every_recipe_file_parses():
