@@ -50,6 +50,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             raise ValueError(f"config key {name!r} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"config key {name!r} must be a number, got {value!r}")
         return float(value)
@@ -60,7 +65,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"config key {name!r} must be a list, got {value!r}")
-        return tuple(value) if origin is tuple else list(value)
+        item = typing.get_args(tp)[0] if typing.get_args(tp) else None
+        items = [_coerce(v, item, f"{name}[{i}]") if item not in (None, typing.Any) else v for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
     return value
 
 

@@ -14,6 +14,7 @@ RECIPES = ("eagle", "medusa")
 class DataConfig:
     source: str = "sharegpt"  # "sharegpt" (the PyPI package) or a local .json/.jsonl/.parquet file
     max_conversations: int | None = 2000
+    skip_conversations: int = 0  # pass over the first N usable conversations (e.g. those an earlier run trained on)
     max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted)
     eval_fraction: float = 0.02
     max_eval_conversations: int = 32
@@ -21,6 +22,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.max_conversations is not None and self.max_conversations < 2:
             raise ValueError("data.max_conversations must be >= 2 (one for training, one for evaluation)")
+        if self.skip_conversations < 0:
+            raise ValueError(f"data.skip_conversations must be >= 0, got {self.skip_conversations}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
         if self.max_length < 16:
@@ -71,6 +74,7 @@ class TrainConfig:
     max_steps: int = 300
     seed: int = 0
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
+    init_heads: str | None = None  # start from these saved heads (a run's final/): more steps, or new data, on a fresh schedule
     report_to: str = "none"  # "none" or "wandb" (works with WANDB_MODE=offline)
     mixed_precision: str = "auto"  # "auto" (bf16 on CUDA and on CPUs with native bf16, else none), "no", "bf16", "fp16"
     log_every: int = 10

@@ -153,7 +153,7 @@ def sharegpt_path() -> Path:
 
 
 def load_conversations(
-    source: str, *, max_conversations: int | None = None, seed: int | None = None
+    source: str, *, max_conversations: int | None = None, skip_conversations: int = 0, seed: int | None = None
 ) -> tuple[datasets.Dataset, LoadReport]:
     """Load chat conversations as a Dataset with one column `messages` plus a `LoadReport`.
 
@@ -161,11 +161,15 @@ def load_conversations(
        ~17.6k complete records); a `.json`/`.jsonl`/`.parquet` path goes through `datasets.load_dataset`.
     2. Detect each record's format (ShareGPT `conversations`, OpenAI `messages`, Alpaca
        `instruction`/`input`/`output`) and normalise it (see `normalize_messages`).
-    3. Keep the first `max_conversations` usable conversations in file order, so reading stops
-       early; with `seed` set, shuffle the kept conversations with it (selection is unchanged).
+    3. Pass over the first `skip_conversations` usable ones (say, those an earlier run trained on), then
+       keep the next `max_conversations` in file order, so reading stops early; with `seed` set,
+       shuffle the kept conversations with it (selection is unchanged).
     """
     if max_conversations is not None and max_conversations < 1:
         raise ValueError(f"max_conversations must be at least 1, got {max_conversations}; or pass None for all")
+    if skip_conversations < 0:
+        raise ValueError(f"skip_conversations must be >= 0, got {skip_conversations}")
+    skipped = 0
     report = LoadReport(read=0, kept=0, skipped_no_assistant=0, skipped_bad_role=0, truncated_file=False)
     stream: JsonListStream | None = None
     if source.strip().lower() == SHAREGPT_SOURCE:
@@ -185,6 +189,9 @@ def load_conversations(
         if messages is None:
             report.skipped_no_assistant += 1
             continue
+        if skipped < skip_conversations:
+            skipped += 1
+            continue
         kept.append({"messages": messages})
         if max_conversations is not None and len(kept) >= max_conversations:
             break
@@ -195,7 +202,8 @@ def load_conversations(
                     "; the file ends mid-record, the partial last record is ignored" if stream.truncated else "")
     logger.info("conversations from %s: %s", source, report)
     if not kept:
-        raise ValueError(f"no usable conversations in {source} after filtering (read {report.read}, "
+        raise ValueError(f"no usable conversations in {source} after filtering (read {report.read}, {skipped} passed "
+                         f"over by skip_conversations, "
                          f"{report.skipped_no_assistant} without an assistant turn, {report.skipped_bad_role} "
                          f"with unknown roles); pass data in {_FORMATS_HELP} format")
     if seed is not None:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from specheads.config import save_config, to_dict
-from specheads.heads.checkpoint import TargetInfo
+from specheads.heads.checkpoint import TargetInfo, load_heads
 from specheads.inference.bench import measure
 from specheads.inference.methods import MethodOptions, make_proposer
 from specheads.target import load_target, stop_token_ids
@@ -112,6 +112,26 @@ def draft_vocabulary(train_ds, size: int | None, vocab: int) -> list[int] | None
     return sorted(ranked)
 
 
+def init_from_heads(head: torch.nn.Module, path: str, recipe: str, target: torch.nn.Module, target_name: str) -> None:
+    """Load saved heads' weights into a freshly built head of the same shape (the draft vocabulary may differ:
+    it is rebuilt from this run's data and is not a weight)."""
+    head_type, _, info, state = load_heads(path)
+    if head_type != recipe:
+        raise ValueError(f"init_heads={path} holds {head_type} heads; the {recipe} recipe can only start from {recipe} heads")
+    info.check_compatible(target, target_name, checkpoint=path)
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    try:
+        missing, unexpected = head.load_state_dict(state, strict=False)
+    except RuntimeError as err:  # a shape mismatch
+        raise ValueError(f"init_heads={path} does not fit the heads this config builds ({str(err).splitlines()[-1].strip()}); "
+                         "use the heads settings it was trained with") from err
+    if unexpected or trainable & set(missing):
+        raise ValueError(f"init_heads={path} does not fit the heads this config builds (missing "
+                         f"{sorted(trainable & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]}); "
+                         "use the heads settings it was trained with")
+    log.info("initialised the %s heads from %s", recipe, path)
+
+
 @dataclass(frozen=True)
 class Objective:
     """What differs between recipes; the loop below is shared."""
@@ -151,7 +171,8 @@ def train(cfg: TrainConfig) -> Path:
 
     target, tokenizer = load_target(cfg.target, device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
     with accelerator.main_process_first():
-        conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations)
+        conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
+                                                  skip_conversations=cfg.data.skip_conversations)
         tokenized = tokenize_dataset(conversations, tokenizer, cfg.data.max_length)
     train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.seed)
     eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
@@ -171,6 +192,8 @@ def train(cfg: TrainConfig) -> Path:
     vocab_size = target.get_output_embeddings().weight.shape[0]
     draft_vocab = draft_vocabulary(train_ds, cfg.draft_vocab_size, vocab_size)
     head = objective.build(cfg, target, draft_vocab)
+    if cfg.init_heads and resume_from is None:
+        init_from_heads(head, cfg.init_heads, cfg.recipe, target, cfg.target)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)

@@ -101,6 +101,10 @@ def test_openai_jsonl_and_max_conversations(tmp_path):
     assert [m[1]["content"] for m in ds["messages"]] == ["u0", "u1", "u2"]
     shuffled, _ = load_conversations(str(path), max_conversations=3, seed=1)
     assert sorted(m[1]["content"] for m in shuffled["messages"]) == ["u0", "u1", "u2"]
+    later, report = load_conversations(str(path), max_conversations=2, skip_conversations=2)  # the next ones
+    assert [m[1]["content"] for m in later["messages"]] == ["u2", "u3"] and report.kept == 2
+    with pytest.raises(ValueError, match="5 passed over by skip_conversations"):
+        load_conversations(str(path), skip_conversations=5)
 
 
 def test_alpaca_parquet(tmp_path):

@@ -149,6 +149,29 @@ def test_resume_with_a_changed_model_config_is_refused(tiny_run_inputs, tmp_path
     assert code == 2 and "'heads' differs" in capsys.readouterr().err
 
 
+def test_init_heads_starts_from_saved_heads_and_refuses_ones_that_do_not_fit(tiny_run_inputs, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    assert train_main(base_args(tiny_run_inputs, first, "max_steps=12", "save_every=12", "optim.lr=0.01")) == 0
+    # A near-zero learning rate: the continued run's heads stay what it loaded.
+    cont = tmp_path / "cont"
+    assert train_main(base_args(tiny_run_inputs, cont, "max_steps=1", "save_every=1", "optim.lr=1e-12",
+                                f"init_heads={first / 'final'}")) == 0
+    saved, continued = load_file(first / "final" / "model.safetensors"), load_file(cont / "final" / "model.safetensors")
+    assert saved.keys() == continued.keys()
+    for key in saved:
+        torch.testing.assert_close(continued[key], saved[key], rtol=0, atol=1e-9)
+    assert train_losses(cont)[1] < 0.9 * train_losses(first)[1]  # it starts where the first run ended, not from scratch
+
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "m", "recipe=medusa", "max_steps=1",
+                                f"init_heads={first / 'final'}")) == 2
+    assert "holds eagle heads; the medusa recipe can only start from medusa heads" in capsys.readouterr().err
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "w", "max_steps=1", "heads.aux_layers=[1]",
+                                f"init_heads={first / 'final'}")) == 2
+    assert "does not fit the heads this config builds" in capsys.readouterr().err
+
+
 def test_unknown_config_key_suggests_the_nearest(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'max_steps'"):
         load_train_config(None, ["max_step=3"])
@@ -159,6 +182,9 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path):
     with pytest.raises(ValueError, match="heads.aux_layers is an EAGLE setting"):
         load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
     assert load_train_config(None, ["heads.aux_layers=[2,15,27]"]).aux_layers == (2, 15, 27)
+    with pytest.raises(ValueError, match=r"'heads.aux_layers\[1\]' must be an integer"):
+        load_train_config(None, ["heads.aux_layers=[2,x]"])
+    assert load_train_config(None, ["optim.lr=3e-4"]).optim.lr == 3e-4  # YAML 1.1 reads this as a string
 
 
 def test_every_recipe_file_parses():
