@@ -35,6 +35,7 @@ class HeadsConfig:
     eagle_layers: int = 1
     init_from_target_layer: int | None = None  # EAGLE: copy this target layer into the head (None: random init, learns faster)
     cls_weight: float = 0.1  # EAGLE: weight of the soft cross-entropy next to the feature SmoothL1 loss
+    reg_weight: float = 1.0  # EAGLE: weight of the feature SmoothL1 loss (EAGLE-3 drops it: 0 with cls_weight 1)
     feature_noise: float = 0.0  # EAGLE: uniform noise of this amplitude on input features (regularisation)
     ttt_steps: int = 1  # EAGLE: draft steps unrolled in training, each fed the previous step's outputs (1 = EAGLE-1)
     ttt_decay: float = 0.8  # EAGLE: loss weight of unrolled step k is ttt_decay**k
@@ -48,6 +49,8 @@ class HeadsConfig:
     def __post_init__(self) -> None:
         if self.ttt_steps < 1:
             raise ValueError(f"heads.ttt_steps must be >= 1 (1 trains plain EAGLE-1), got {self.ttt_steps}")
+        if self.cls_weight < 0 or self.reg_weight < 0 or self.cls_weight + self.reg_weight == 0:
+            raise ValueError("heads.cls_weight and heads.reg_weight must be >= 0, and not both 0")
         if not 0.0 < self.ttt_decay <= 1.0:
             raise ValueError(f"heads.ttt_decay must be in (0, 1], got {self.ttt_decay}")
 

@@ -86,10 +86,10 @@ def _valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction 
 def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
                     cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """1. Target features (no grad). 2. Noisy features in, predicted next features out, for each TTT step.
-    3. Per step: SmoothL1 on features + cls_weight x soft CE against the target's distribution over the
+    3. Per step: reg_weight x SmoothL1 on features + cls_weight x soft CE against the target's distribution over the
        draft vocabulary, on the positions that count; step k weighs ttt_decay**k."""
     model = extract_model_from_parallel(head)  # DDP hides the head's own methods
-    features = batch_features(target, batch, cfg.heads.aux_layers)  # [B, T, W]
+    features = batch_features(target, batch, model.config.aux_layers)  # [B, T, W]
     tokens, feats, positions, counts = _inputs(batch, features)
     last = last_layer(features, model.config.hidden_size)  # [B, T, H]: F, what the head predicts
     if cfg.heads.feature_noise > 0:
@@ -109,7 +109,7 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
         logits = (got @ weight.T).float()  # [M, Vd]
         ce = -(target_p * logits.log_softmax(-1)).sum(-1).mean()
         w = cfg.heads.ttt_decay ** k
-        total = total + w * (reg + cfg.heads.cls_weight * ce)
+        total = total + w * (cfg.heads.reg_weight * reg + cfg.heads.cls_weight * ce)
         norm += w
         with torch.no_grad():
             top1 = (logits.argmax(-1) == target_p.argmax(-1)).float().mean()

@@ -11,16 +11,16 @@ from specheads.train.eagle import build_eagle, eagle_eval, eagle_step_loss, ttt_
 from tests.conftest import tiny_model
 
 
-@pytest.fixture
-def head_and_inputs():
+@pytest.fixture(params=[(), (1, 2)], ids=["eagle1", "aux-layers"])
+def head_and_inputs(request):
     target = tiny_model("llama", seed=0)
     torch.manual_seed(1)
-    head = build_eagle(TrainConfig(), target).eval()
+    head = build_eagle(_cfg(aux_layers=request.param), target).eval()
     with torch.no_grad():  # a head that is not the identity, so wrong attention shows in the outputs
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     tokens = torch.randint(3, 96, (2, 12))
-    feats = torch.randn(2, 12, 64)
+    feats = torch.randn(2, 12, head.feature_width)  # target features: wider with aux layers
     positions = torch.arange(12).expand(2, 12)
     return target, head, tokens, feats, positions
 
@@ -54,9 +54,13 @@ def test_ttt_loss_trains_every_step_and_its_first_step_is_eagle1(head_and_inputs
     assert {"top1", "top1_step2", "top1_step3", "loss_ce_step3"} <= stats.keys()
     loss.backward()
     assert head.fc.weight.grad.abs().sum() > 0
-    _, plain = eagle_step_loss(head, target, batch, _cfg(ttt_steps=1))
+    aux = head.config.aux_layers
+    _, plain = eagle_step_loss(head, target, batch, _cfg(ttt_steps=1, aux_layers=aux))
     assert plain["loss_reg"] == pytest.approx(stats["loss_reg"], rel=1e-5)
     assert plain["loss_ce"] == pytest.approx(stats["loss_ce"], rel=1e-5)
+    # EAGLE-3's loss: no feature term, steps weighted ttt_decay**k.
+    ce_only, st = eagle_step_loss(head, target, batch, _cfg(ttt_steps=2, reg_weight=0.0, cls_weight=1.0, aux_layers=aux))
+    assert float(ce_only) == pytest.approx((st["loss_ce"] + 0.8 * st["loss_ce_step2"]) / 1.8, rel=1e-5)
 
 
 def test_eval_counts_chains_from_the_target_choices(head_and_inputs):

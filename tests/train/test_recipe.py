@@ -184,6 +184,8 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path):
     assert load_train_config(None, ["heads.aux_layers=[2,15,27]"]).aux_layers == (2, 15, 27)
     with pytest.raises(ValueError, match=r"'heads.aux_layers\[1\]' must be an integer"):
         load_train_config(None, ["heads.aux_layers=[2,x]"])
+    with pytest.raises(ValueError, match="not both 0"):
+        load_train_config(None, ["heads.reg_weight=0", "heads.cls_weight=0"])
     assert load_train_config(None, ["optim.lr=3e-4"]).optim.lr == 3e-4  # YAML 1.1 reads this as a string
 
 
