@@ -36,7 +36,7 @@ def _inputs(batch: dict[str, torch.Tensor], features: torch.Tensor):
     """Pairs (features_t, x_{t+1}) at positions t = 0..T-2, and where the prediction of F_{t+1} counts."""
     ids = batch["input_ids"]
     tokens = ids[:, 1:]  # [B, W] with W = T-1
-    feats = features[:, :-1]  # [B, W, H]
+    feats = features[:, :-1]  # [B, W, D]
     positions = torch.arange(tokens.shape[1], device=ids.device).expand_as(tokens)
     counts = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).bool()  # [B, W]
     return tokens, feats, positions, counts
@@ -89,7 +89,7 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
     3. Per step: reg_weight x SmoothL1 on features + cls_weight x soft CE against the target's distribution over the
        draft vocabulary, on the positions that count; step k weighs ttt_decay**k."""
     model = extract_model_from_parallel(head)  # DDP hides the head's own methods
-    features = batch_features(target, batch, model.config.aux_layers)  # [B, T, W]
+    features = batch_features(target, batch, model.config.aux_layers)  # [B, T, D]
     tokens, feats, positions, counts = _inputs(batch, features)
     last = last_layer(features, model.config.hidden_size)  # [B, T, H]: F, what the head predicts
     if cfg.heads.feature_noise > 0:
@@ -128,10 +128,11 @@ def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.
     Returns tensors so callers can reduce across processes: correct_top1 [steps], correct_topk [steps],
     positions [steps], accepted (sum of leading correct steps per start position), starts.
     """
-    features = batch_features(target, batch, head.config.aux_layers)  # [B, T, W]
+    features = batch_features(target, batch, head.config.aux_layers)  # [B, T, D]
     tokens, feats, positions, counts = _inputs(batch, features)
     steps = min(steps, tokens.shape[1])
-    target_next = head.logits(last_layer(features, head.config.hidden_size)[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
+    last = last_layer(features, head.config.hidden_size)  # [B, T, H]
+    target_next = head.logits(last[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
     weight = head.draft_weight()  # [Vd, H]
     top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     width = tokens.shape[1]

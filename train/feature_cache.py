@@ -5,8 +5,8 @@ conversation and reads features back from disk (memory-mapped), which pays off f
 epoch on and frees the accelerator from the target during training. Both produce the same batches.
 
 Layout: `DIR/index.json` ({"hidden_size", "aux_layers", "dtype", "examples": [[shard, offset, length], ...],
-"fingerprint"}) and `DIR/shard_00000.safetensors` ... each holding one tensor `features` [tokens, W]
-with W = (len(aux_layers) + 1) * hidden_size (see `features.py` for the row layout).
+"fingerprint"}) and `DIR/shard_00000.safetensors` ... each holding one tensor `features` [tokens, D]
+with D = (len(aux_layers) + 1) * hidden_size (see `features.py` for the row layout).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def write_feature_cache(
 
     for ids in tqdm(input_ids, desc="caching features", unit="conv"):
         x = torch.tensor([ids], device=device)
-        feats = target_features(target, x, torch.ones_like(x), aux_layers)[0].to("cpu", DTYPES[dtype])  # [T, W]
+        feats = target_features(target, x, torch.ones_like(x), aux_layers)[0].to("cpu", DTYPES[dtype])  # [T, D]
         examples.append([shard, pending_tokens, len(ids)])
         pending.append(feats)
         pending_tokens += len(ids)
@@ -99,7 +99,7 @@ def write_feature_cache(
 
 
 class FeatureCache:
-    """Reads one example's features [T, W] from the memory-mapped shards."""
+    """Reads one example's features [T, D] from the memory-mapped shards."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -124,7 +124,7 @@ class FeatureCache:
 
 
 def collate_with_features(examples: Sequence[Mapping[str, Any]], pad_id: int, cache: FeatureCache) -> dict[str, torch.Tensor]:
-    """`collate` plus `features` [B, T, W] (fp32, zeros on padding) read from the cache by example `row` index."""
+    """`collate` plus `features` [B, T, D] (fp32, zeros on padding) read from the cache by example `row` index."""
     batch = collate(examples, pad_id)
     b, t = batch["input_ids"].shape
     feats = torch.zeros(b, t, cache.width)

@@ -1,7 +1,7 @@
 """Target features for drafter training: the frozen target's hidden states, computed online inside
 the training step (no grad) or read from the offline cache.
 
-A feature row is cat(aux layers..., last layer) [W = (len(aux_layers) + 1) * H], the layout
+A feature row is cat(aux layers..., last layer) [D = (len(aux_layers) + 1) * H], the layout
 `EagleHead.select_features` builds at decode time; the last H columns are always the last hidden
 state after the final norm (what the LM head reads), so every objective finds it in the same place.
 """
@@ -17,7 +17,7 @@ from specheads.hf import decoder_of
 
 
 def batch_features(target: nn.Module, batch: dict[str, torch.Tensor], aux_layers: Sequence[int] = ()) -> torch.Tensor:
-    """[B, T, W] features from the batch when they were cached offline, else computed by the target now.
+    """[B, T, D] features from the batch when they were cached offline, else computed by the target now.
 
     A cache holding aux layers also serves a run that wants only the last layer (its last H columns)."""
     if "features" not in batch:
@@ -33,7 +33,7 @@ def batch_features(target: nn.Module, batch: dict[str, torch.Tensor], aux_layers
                      f"{len(aux_layers) + 1}; rebuild it (a new feature_cache_dir) with these heads.aux_layers")
 
 
-def last_layer(features: torch.Tensor, hidden_size: int) -> torch.Tensor:  # [..., W] -> [..., H]
+def last_layer(features: torch.Tensor, hidden_size: int) -> torch.Tensor:  # [..., D] -> [..., H]
     return features[..., -hidden_size:]
 
 
@@ -43,7 +43,7 @@ def target_features(
     input_ids: torch.Tensor,  # [B, T]
     attention_mask: torch.Tensor,  # [B, T]
     aux_layers: Sequence[int] = (),
-) -> torch.Tensor:  # [B, T, W]: cat(hidden_states[aux]..., last hidden state after the final norm)
+) -> torch.Tensor:  # [B, T, D]: cat(hidden_states[aux]..., last hidden state after the final norm)
     """Run the frozen target's decoder stack only: the full-vocabulary logits are never materialised here."""
     out = decoder_of(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                              output_hidden_states=bool(aux_layers))

@@ -75,7 +75,7 @@ class EagleProposer:
         self.device = next(head.parameters()).device
         self.draft_weight = head.draft_weight()  # [Vd, H], gathered once
         self._cache: TreeKVCache | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # target features [m, W], tokens [m]
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # target features [m, D], tokens [m]
         self._n_pairs = 0  # committed (feature, token) pairs in the head cache
 
     # -- engine hooks ---------------------------------------------------------------------------
@@ -85,12 +85,12 @@ class EagleProposer:
         self._n_pairs = 0
         self._pending = None
         if target_hidden is not None:
-            feats = self.head.select_features(target_hidden)[0]  # [T-1, W] features of prompt[:-1]
+            feats = self.head.select_features(target_hidden)[0]  # [T-1, D] features of prompt[:-1]
             self._pending = (feats, ctx.tokens[1:].to(self.device))
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         assert target_hidden is not None
-        feats = self.head.select_features(target_hidden)[0, result.path.to(target_hidden[-1].device)]  # [A+1, W]
+        feats = self.head.select_features(target_hidden)[0, result.path.to(target_hidden[-1].device)]  # [A+1, D]
         toks = result.tokens.to(self.device)
         if self._pending is not None:  # pairs from start() not fed yet: the prefill step drafted nothing
             feats, toks = torch.cat([self._pending[0], feats]), torch.cat([self._pending[1], toks])

@@ -107,15 +107,15 @@ class EagleHead(nn.Module):
         return self._frozen[1]
 
     @property
-    def feature_width(self) -> int:  # width of the target features the head reads: (len(aux_layers) + 1) * H
+    def feature_width(self) -> int:  # D, the width of the target features the head reads: (len(aux_layers) + 1) * H
         return (len(self.config.aux_layers) + 1) * self.config.hidden_size
 
-    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., W]
+    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., D]
         """The target features this head reads, from a forward's `hidden_states` (embeddings first, the
         last entry after the final norm): cat(aux layers..., last)."""
         return torch.cat([hidden_states[i] for i in self.config.aux_layers] + [hidden_states[-1]], dim=-1)
 
-    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., W] target features -> [..., H]
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] target features -> [..., H]
         if not self.config.aux_layers:
             return features
         h = self.config.hidden_size
@@ -128,7 +128,7 @@ class EagleHead(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] tokens x_{t+1}
-        features: torch.Tensor,  # [B, T, W] target features (fused here) or [B, T, H] the head's own predictions
+        features: torch.Tensor,  # [B, T, D] target features (fused here) or [B, T, H] the head's own predictions
         position_ids: torch.Tensor,  # [B, T]
         attention_mask: torch.Tensor | None = None,  # [B, 1, T, S] additive; None = causal, no cache prefix
         cache: Any = None,  # an HF Cache holding earlier positions (inference)
@@ -168,7 +168,6 @@ class EagleHead(nn.Module):
         head = cls(EagleConfig(**{**fields, "init_from_target_layer": None}), target_model)
         head.load_state_dict(state, strict=True)
         return head.to(next(target_model.parameters()).device).eval()
-
 
 
 def check_aux_layers(aux_layers: tuple[int, ...], num_target_layers: int) -> None:
