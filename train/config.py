@@ -112,10 +112,6 @@ class TrainConfig:
         if self.heads.aux_layers and self.recipe != "eagle":
             raise ValueError("heads.aux_layers is an EAGLE setting; remove it for the medusa recipe")
 
-    @property
-    def aux_layers(self) -> tuple[int, ...]:  # the target layers the features hold besides the last one
-        return self.heads.aux_layers if self.recipe == "eagle" else ()
-
 
 def load_train_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
     return load_config(TrainConfig, path, overrides)

@@ -74,7 +74,7 @@ def _offline_collates(cfg: TrainConfig, accelerator: Accelerator, target, train_
         if accelerator.is_main_process:
             for name, ds in (("train", train_ds), ("eval", eval_ds)):
                 write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target, dtype=cfg.feature_dtype,
-                                    aux_layers=cfg.aux_layers)
+                                    aux_layers=cfg.heads.aux_layers)
     train_cache, eval_cache = FeatureCache(root / "train"), FeatureCache(root / "eval")
     return (lambda ex: collate_with_features(ex, pad, train_cache)), (lambda ex: collate_with_features(ex, pad, eval_cache))
 

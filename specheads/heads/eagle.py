@@ -113,6 +113,8 @@ class EagleHead(nn.Module):
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., D]
         """The target features this head reads, from a forward's `hidden_states` (embeddings first, the
         last entry after the final norm): cat(aux layers..., last)."""
+        if not self.config.aux_layers:
+            return hidden_states[-1]
         return torch.cat([hidden_states[i] for i in self.config.aux_layers] + [hidden_states[-1]], dim=-1)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] target features -> [..., H]

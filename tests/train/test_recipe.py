@@ -181,7 +181,7 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path):
         load_train_config(None, ["max_steps=ten"])
     with pytest.raises(ValueError, match="heads.aux_layers is an EAGLE setting"):
         load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
-    assert load_train_config(None, ["heads.aux_layers=[2,15,27]"]).aux_layers == (2, 15, 27)
+    assert load_train_config(None, ["heads.aux_layers=[2,15,27]"]).heads.aux_layers == (2, 15, 27)
     with pytest.raises(ValueError, match=r"'heads.aux_layers\[1\]' must be an integer"):
         load_train_config(None, ["heads.aux_layers=[2,x]"])
     with pytest.raises(ValueError, match="not both 0"):
