@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from specheads.heads.eagle import feature_width
 from specheads.train.data import collate
 from specheads.train.features import target_features
 
@@ -64,7 +65,7 @@ def write_feature_cache(
             return out
     out.mkdir(parents=True, exist_ok=True)
     hidden = target.config.get_text_config().hidden_size
-    width = (len(aux_layers) + 1) * hidden
+    width = feature_width(hidden, aux_layers)
     total = sum(len(ids) for ids in input_ids)
     size = total * width * torch.tensor([], dtype=DTYPES[dtype]).element_size()
     log.info("feature cache: %d tokens x %d x %s = %.2f GB in %s", total, width, dtype, size / 1e9, out)
@@ -110,7 +111,7 @@ class FeatureCache:
         self.examples: list[list[int]] = index["examples"]
         self.hidden_size: int = index["hidden_size"]
         self.aux_layers: list[int] = index.get("aux_layers", [])
-        self.width = (len(self.aux_layers) + 1) * self.hidden_size
+        self.width = feature_width(self.hidden_size, self.aux_layers)
         self._files: dict[int, Any] = {}
 
     def __len__(self) -> int:

@@ -1,9 +1,9 @@
 """Target features for drafter training: the frozen target's hidden states, computed online inside
 the training step (no grad) or read from the offline cache.
 
-A feature row is cat(aux layers..., last layer) [D = (len(aux_layers) + 1) * H], the layout
-`EagleHead.select_features` builds at decode time; the last H columns are always the last hidden
-state after the final norm (what the LM head reads), so every objective finds it in the same place.
+A feature row is cat(aux layers..., last layer) (`specheads.heads.eagle.feature_rows`, the layout
+the EAGLE proposer reads at decode time); the last H columns are always the last hidden state after
+the final norm (what the LM head reads), so every objective finds it in the same place.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from specheads.heads.eagle import feature_rows, feature_width
 from specheads.hf import decoder_of
 
 
@@ -24,8 +25,7 @@ def batch_features(target: nn.Module, batch: dict[str, torch.Tensor], aux_layers
         return target_features(target, batch["input_ids"], batch["attention_mask"], aux_layers)
     feats = batch["features"].to(next(target.parameters()).dtype)
     hidden = target.config.get_text_config().hidden_size
-    want = (len(aux_layers) + 1) * hidden
-    if feats.shape[-1] == want:
+    if feats.shape[-1] == feature_width(hidden, aux_layers):
         return feats
     if not aux_layers:
         return last_layer(feats, hidden)
@@ -47,6 +47,4 @@ def target_features(
     """Run the frozen target's decoder stack only: the full-vocabulary logits are never materialised here."""
     out = decoder_of(target)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                              output_hidden_states=bool(aux_layers))
-    if not aux_layers:
-        return out.last_hidden_state
-    return torch.cat([out.hidden_states[i] for i in aux_layers] + [out.last_hidden_state], dim=-1)
+    return feature_rows(out.hidden_states, aux_layers) if aux_layers else out.last_hidden_state

@@ -21,6 +21,7 @@ cover only those tokens; `token_ids` maps logit indices back to token ids.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,7 @@ class EagleHead(nn.Module):
         dtype = next(target.parameters()).dtype
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True, dtype=dtype)
         if config.aux_layers:
-            width = (len(config.aux_layers) + 1) * config.hidden_size
-            self.fuse = nn.Linear(width, config.hidden_size, bias=False, dtype=dtype)
+            self.fuse = nn.Linear(self.feature_width, config.hidden_size, bias=False, dtype=dtype)
         self.layers = nn.ModuleList(layer_cls(layer_cfg, layer_idx=i).to(dtype) for i in range(config.num_layers))
         self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
         self.layer_config = layer_cfg
@@ -107,15 +107,11 @@ class EagleHead(nn.Module):
         return self._frozen[1]
 
     @property
-    def feature_width(self) -> int:  # D, the width of the target features the head reads: (len(aux_layers) + 1) * H
-        return (len(self.config.aux_layers) + 1) * self.config.hidden_size
+    def feature_width(self) -> int:  # D, the width of the target features the head reads
+        return feature_width(self.config.hidden_size, self.config.aux_layers)
 
     def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., D]
-        """The target features this head reads, from a forward's `hidden_states` (embeddings first, the
-        last entry after the final norm): cat(aux layers..., last)."""
-        if not self.config.aux_layers:
-            return hidden_states[-1]
-        return torch.cat([hidden_states[i] for i in self.config.aux_layers] + [hidden_states[-1]], dim=-1)
+        return feature_rows(hidden_states, self.config.aux_layers)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] target features -> [..., H]
         if not self.config.aux_layers:
@@ -170,6 +166,19 @@ class EagleHead(nn.Module):
         head = cls(EagleConfig(**{**fields, "init_from_target_layer": None}), target_model)
         head.load_state_dict(state, strict=True)
         return head.to(next(target_model.parameters()).device).eval()
+
+
+def feature_width(hidden_size: int, aux_layers: Sequence[int]) -> int:  # D = (len(aux_layers) + 1) * H
+    return (len(aux_layers) + 1) * hidden_size
+
+
+def feature_rows(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int]) -> torch.Tensor:  # -> [..., D]
+    """The target features an EAGLE head reads, from a forward's `hidden_states` (embeddings first, the
+    last entry after the final norm): cat(aux layers..., last). Training features and the offline cache
+    use this same layout, so the last H columns are always what the LM head reads."""
+    if not aux_layers:
+        return hidden_states[-1]
+    return torch.cat([hidden_states[i] for i in aux_layers] + [hidden_states[-1]], dim=-1)
 
 
 def check_aux_layers(aux_layers: tuple[int, ...], num_target_layers: int) -> None:
