@@ -28,6 +28,7 @@ import torch
 
 from specheads.heads.eagle import EagleHead
 from specheads.inference.cache import TreeKVCache
+from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -69,11 +70,12 @@ def eagle_tree(name: str | None) -> EagleTreeConfig:
 class EagleProposer:
     needs_target_hidden = True
 
-    def __init__(self, head: EagleHead, config: EagleTreeConfig = EagleTreeConfig()) -> None:
+    def __init__(self, head: EagleHead, config: EagleTreeConfig = EagleTreeConfig(), context_vocab: bool = True) -> None:
+        """With `context_vocab` the head also scores the request's own tokens outside its draft vocabulary."""
         self.head = head.eval()
         self.config = config
         self.device = next(head.parameters()).device
-        self.draft_weight = head.draft_weight()  # [Vd, H], gathered once
+        self.vocab = ContextVocabulary(head.lm_head.weight.detach(), head.draft_ids, enabled=context_vocab)
         self._cache: TreeKVCache | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # target features [m, D], tokens [m]
         self._n_pairs = 0  # committed (feature, token) pairs in the head cache
@@ -84,6 +86,7 @@ class EagleProposer:
         self._cache = TreeKVCache(self.head.layer_config, capacity=ctx.tokens.shape[0] + ctx.max_depth + 64)
         self._n_pairs = 0
         self._pending = None
+        self.vocab.reset(ctx.tokens)
         if target_hidden is not None:
             feats = self.head.select_features(target_hidden)[0]  # [T-1, D] features of prompt[:-1]
             self._pending = (feats, ctx.tokens[1:].to(self.device))
@@ -92,16 +95,15 @@ class EagleProposer:
         assert target_hidden is not None
         feats = self.head.select_features(target_hidden)[0, result.path.to(target_hidden[-1].device)]  # [A+1, D]
         toks = result.tokens.to(self.device)
+        self.vocab.add(toks)
         if self._pending is not None:  # pairs from start() not fed yet: the prefill step drafted nothing
             feats, toks = torch.cat([self._pending[0], feats]), torch.cat([self._pending[1], toks])
         self._pending = (feats, toks)
 
     # -- drafting -------------------------------------------------------------------------------
 
-    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, Vd]
-        # W @ hᵀ rather than h @ Wᵀ: for the 1-4 rows a draft level has, fp32 CPU GEMM runs 2-3.5x faster
-        # in this layout (8192-row draft head, 2 threads); the result is the same product.
-        return (self.draft_weight @ hidden.to(self.draft_weight.dtype).T).T.float().log_softmax(-1)
+    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, Vd + E]
+        return self.vocab.logits(hidden).log_softmax(-1)
 
     @torch.inference_mode()
     def propose(self, ctx: ProposalContext) -> DraftTree:
@@ -131,7 +133,7 @@ class EagleProposer:
         logp = self._draft_logprobs(out[-1:])[0]  # children of the root
         top = logp.topk(cfg.topk)
         level = []
-        for s, i in zip(top.values.tolist(), self.head.token_ids(top.indices).tolist()):
+        for s, i in zip(top.values.tolist(), self.vocab.token_ids(top.indices).tolist()):
             level.append(len(tokens))
             tokens.append(i)
             parents.append(0)
@@ -151,7 +153,7 @@ class EagleProposer:
             logp = self._draft_logprobs(h)  # [E, Vd]
             top = logp.topk(cfg.topk, dim=-1)
             level = []
-            cand_tokens = self.head.token_ids(top.indices).tolist()
+            cand_tokens = self.vocab.token_ids(top.indices).tolist()
             for row, n in enumerate(expand):
                 parent_hidden[n] = h[row]
                 for s, t in zip(top.values[row].tolist(), cand_tokens[row]):
