@@ -2,7 +2,9 @@
 
 Method specs: the engine methods of `specheads.inference.methods.METHODS` (`ar`, `ngram`,
 `draft:PATH`, `draft:early-exit:N`, `eagle:HEADS_DIR`, `medusa:HEADS_DIR`, ...; heads take an
-optional `@TREE` suffix, `eagle:DIR@eagle2`, to run the same heads with another tree) and the
+optional `@TREE` suffix, `eagle:DIR@eagle2`, to run the same heads with another tree, and a
+`+lookup=N` suffix for the prompt-lookup continuations grafted onto it, `eagle:DIR+lookup=0` for
+the heads alone) and the
 transformers baselines `hf` (`generate`), `hf-assisted:PATH` (assisted generation with a draft
 model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Every method answers the same
 rendered prompt; on a second turn each method sees its own first answer. For greedy runs each
@@ -36,6 +38,7 @@ BASELINES = ("hf", "hf-assisted", "hf-pld")
 _NO_ARG = ("ar", "ngram", "hf")
 _TREE_METHODS = ("eagle", "medusa")  # "eagle:DIR@eagle2", "medusa:DIR@medusa-16": the heads with a named tree
 _TREE_EXAMPLE = {"eagle": "eagle2", "medusa": "medusa-16"}
+_LOOKUP_SUFFIX = "+lookup="  # "eagle:DIR+lookup=0": the heads without prompt lookup grafted on
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
 
 
@@ -49,6 +52,7 @@ class MethodSpec:
     method: str  # "ar", "hf", "ngram", "draft", ...
     arg: str | None = None  # draft model, heads folder, assistant model, or hf-pld draft length
     tree: str | None = None  # eagle/medusa: tree preset (or medusa tree file) from an "@TREE" suffix
+    lookup: int | None = None  # eagle/medusa: prompt-lookup continuations from a "+lookup=N" suffix (None: default)
 
 
 def parse_methods(spec: str) -> list[MethodSpec]:
@@ -67,7 +71,13 @@ def parse_methods(spec: str) -> list[MethodSpec]:
         if method not in _NO_ARG and method != "hf-pld" and not arg:
             hint = " or draft:early-exit:N" if method == "draft" else ""
             raise ValueError(f"method {method} needs a path: {method}:PATH{hint}")
-        tree = None
+        tree = lookup = None
+        if method in _TREE_METHODS and _LOOKUP_SUFFIX in arg:  # "eagle:DIR@eagle2+lookup=0"
+            arg, _, n = arg.rpartition(_LOOKUP_SUFFIX)
+            if not (arg and n.isdigit()):
+                raise ValueError(f"{name}: write {method}:DIR{_LOOKUP_SUFFIX}N with N >= 0 continuations, "
+                                 f"e.g. {method}:runs/x/final{_LOOKUP_SUFFIX}0 for the heads alone")
+            lookup = int(n)
         if method in _TREE_METHODS and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
             arg, _, tree = arg.rpartition("@")
             if not arg or not tree:
@@ -76,7 +86,7 @@ def parse_methods(spec: str) -> list[MethodSpec]:
                 eagle_tree(tree)
         if any(s.name == name for s in out):
             raise ValueError(f"method {name!r} is listed twice in --methods")
-        out.append(MethodSpec(name=name, method=method, arg=arg or None, tree=tree))
+        out.append(MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=lookup))
     if not out:
         raise ValueError("--methods is empty; e.g. --methods ar,hf,ngram")
     return out
@@ -168,7 +178,7 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
         elif spec.method == "hf-pld":
             runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
         else:
-            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg, tree=spec.tree)
+            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg, tree=spec.tree, lookup=spec.lookup)
             runners[spec.name] = _EngineRunner(Engine(target, make_proposer(spec.method, target, opts, load_draft)))
     return runners
 

@@ -27,6 +27,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                                   "eagle: cpu (default: depth 5, top-4, 12 nodes), wide (6/8/32) or eagle2 (6/10/60); "
                                   "--depth/--topk/--total-tokens override its fields")
     p.add_argument("--width", type=int, help="root branches (draft) or candidates (ngram)")
+    p.add_argument("--lookup", type=int, help="eagle, medusa: prompt-lookup continuations grafted onto the heads' tree "
+                                              "(default 1; 0 = the heads alone)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the answer streams to stdout, stats go to stderr")
     src.add_argument("--questions", type=Path, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
@@ -74,7 +76,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         return draft
 
     opts = MethodOptions(draft=args.draft, heads=args.heads, depth=args.depth, width=args.width, tree=args.tree,
-                         topk=args.topk, total_tokens=args.total_tokens, min_expected=args.min_expected_accepted,
+                         topk=args.topk, total_tokens=args.total_tokens, min_expected=args.min_expected_accepted, lookup=args.lookup,
                          device=args.device, dtype=args.dtype)
     engine = Engine(model, make_proposer(args.method, model, opts, load_draft))
     stops = stop_token_ids(tokenizer, model)
@@ -145,7 +147,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
     p.add_argument("--methods", default="ar,hf,ngram",
                    help=f"comma list of: {', '.join(m for m in METHODS if m not in ('ar', 'ngram'))} (each as NAME:PATH, "
-                        f"draft also draft:early-exit:N), ar, ngram, {', '.join(BASELINES)} (hf = transformers generate, "
+                        f"draft also draft:early-exit:N; heads also DIR@TREE and DIR+lookup=N), ar, ngram, {', '.join(BASELINES)} (hf = transformers generate, "
                         "hf-assisted:PATH its assisted generation with a draft model, hf-pld[:N] its prompt lookup). "
                         "Default: ar,hf,ngram")
     p.add_argument("--questions", type=Path, required=True, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")

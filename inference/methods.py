@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedModel
 
@@ -14,6 +14,7 @@ from specheads.inference.proposers.draft_model import (
     early_exit_model,
     vocab_size,
 )
+from specheads.inference.proposers.lookup import DEFAULT_LOOKUP, WithPromptLookup
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 
 
@@ -27,6 +28,7 @@ class MethodOptions:
     min_expected: float | None = None  # eagle: plain step when the draft expects fewer accepted tokens
     depth: int | None = None  # draft depth (proposer default when None)
     width: int | None = None  # branches at the root for `draft`, candidates for `ngram`
+    lookup: int | None = None  # eagle, medusa: prompt-lookup continuations grafted onto the tree (0: none)
     device: str = "cpu"
     dtype: str = "auto"
 
@@ -70,12 +72,13 @@ def _eagle(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader
     if not opts.heads:
         raise ValueError("method 'eagle' needs --heads DIR (the final/ folder of an eagle training run)")
     base = eagle_tree(opts.tree)  # before loading, so a bad name costs nothing
+    lookup = _lookup(opts)
     head = EagleHead.from_pretrained(opts.heads, target)
     tree = EagleTreeConfig(depth=opts.depth or base.depth, topk=opts.topk or base.topk,
                            total_tokens=opts.total_tokens or base.total_tokens,
                            min_expected_accepted=opts.min_expected if opts.min_expected is not None
                            else base.min_expected_accepted)
-    return EagleProposer(head, tree)
+    return _with_lookup(EagleProposer(head, tree), lookup)
 
 
 def _medusa(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
@@ -83,7 +86,20 @@ def _medusa(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoade
 
     if not opts.heads:
         raise ValueError("method 'medusa' needs --heads DIR (the final/ folder of a medusa training run)")
-    return load_medusa_proposer(opts.heads, target, tree=opts.tree, max_depth=opts.depth)
+    lookup = _lookup(opts)
+    return _with_lookup(load_medusa_proposer(opts.heads, target, tree=opts.tree, max_depth=opts.depth), lookup)
+
+
+def _lookup(opts: MethodOptions) -> NgramConfig | None:
+    """The prompt lookup grafted onto heads' trees: DEFAULT_LOOKUP unless --lookup says otherwise (0: none)."""
+    n = DEFAULT_LOOKUP.num_candidates if opts.lookup is None else opts.lookup
+    if n < 0:
+        raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it off), got {n}")
+    return replace(DEFAULT_LOOKUP, num_candidates=n, max_nodes=n * DEFAULT_LOOKUP.depth) if n else None
+
+
+def _with_lookup(proposer: Proposer, lookup: NgramConfig | None) -> Proposer:
+    return proposer if lookup is None else WithPromptLookup(proposer, lookup)
 
 
 METHODS: dict[str, Callable[[PreTrainedModel, MethodOptions, DraftLoader], Proposer]] = {

@@ -94,6 +94,37 @@ class DraftTree:
             node = parents[node]
         return path[::-1]
 
+    def graft(self, paths: list[list[int]], max_new_nodes: int) -> DraftTree:
+        """This tree with token paths from the root merged in, trie-style: a path follows existing
+        nodes while their tokens match and adds the rest as new nodes, up to `max_new_nodes` in all.
+
+        Only for deterministic trees (`draft_probs` None): a grafted node has no draft distribution.
+        """
+        if self.draft_probs is not None:
+            raise ValueError("cannot graft onto a tree of sampled drafts (draft_probs set)")
+        tokens = self.tokens.tolist()
+        parents = self.parents.tolist()
+        child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+        added = 0
+        for path in paths:
+            node = 0
+            for tok in path:
+                nxt = child_of.get((node, tok))
+                if nxt is None:
+                    if added >= max_new_nodes:
+                        break
+                    nxt = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                    child_of[(node, tok)] = nxt
+                    added += 1
+                node = nxt
+        if not added:
+            return self
+        device = self.tokens.device
+        return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                         parents=torch.tensor(parents, dtype=torch.long, device=device))
+
     def truncated(self, max_depth: int) -> DraftTree:
         """The subtree of nodes at depth <= max_depth (keeps topological order)."""
         if self.max_depth <= max_depth:

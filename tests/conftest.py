@@ -40,6 +40,35 @@ def perturbed_copy(model: torch.nn.Module, noise: float, seed: int = 3) -> torch
     return draft
 
 
+def random_eagle_head(target: torch.nn.Module, aux_layers: tuple[int, ...] = (1, 2),
+                      draft_vocab: tuple[int, ...] | None = None) -> torch.nn.Module:
+    """Untrained EAGLE heads, perturbed so they draft (mostly wrongly), on the target's device."""
+    from specheads.heads.eagle import EagleConfig, EagleHead
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    head = EagleHead(EagleConfig(hidden_size=hidden, vocab_size=vocab, aux_layers=aux_layers, draft_vocab=draft_vocab),
+                     target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return head.to(target.device).eval()
+
+
+def start_proposer(proposer, target: torch.nn.Module, prompt: list[int], max_depth: int = 8):
+    """Start `proposer` on `prompt` as the engine does after the prefill; returns the ProposalContext."""
+    from specheads.inference.proposers.base import ProposalContext
+    from specheads.inference.sampling import SamplingParams
+
+    tokens = torch.tensor(prompt)
+    ctx = ProposalContext(tokens=tokens, num_prompt_tokens=len(prompt), max_depth=max_depth,
+                          sampling=SamplingParams(), generator=None)
+    with torch.no_grad():
+        hidden = target(tokens[None, :-1], output_hidden_states=True).hidden_states
+    proposer.start(ctx, hidden)
+    return ctx
+
+
 @pytest.fixture
 def one_thread():
     """For tests made of thousands of tiny tensor ops: intra-op threads only add synchronisation

@@ -312,7 +312,8 @@ def held_out_prompts(eval_ds, n: int) -> list[list[int]]:
 
 def measured_tau(cfg: TrainConfig, target, tokenizer, eval_ds, heads_dir: Path) -> dict[str, float]:
     """τ of the saved heads decoding held-out prompts, through the same loader and runner as `specheads bench`."""
-    proposer = make_proposer(cfg.recipe, target, MethodOptions(heads=str(heads_dir)), load_draft=None)
+    # The heads alone (no prompt lookup grafted on): this measures what training changed.
+    proposer = make_proposer(cfg.recipe, target, MethodOptions(heads=str(heads_dir), lookup=0), load_draft=None)
     prompts = held_out_prompts(eval_ds, cfg.measure_prompts)
     if not prompts:
         return {}

@@ -61,22 +61,7 @@ def find_continuations(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> li
 
 def build_trie(root: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:
     """Merge continuations into a tree under `root`, in order, up to max_nodes draft nodes."""
-    tokens = [root]
-    parents = [-1]
-    child_of: dict[tuple[int, int], int] = {}
-    for cont in continuations:
-        node = 0
-        for tok in cont:
-            nxt = child_of.get((node, tok))
-            if nxt is None:
-                if len(tokens) - 1 >= max_nodes:
-                    break
-                nxt = len(tokens)
-                tokens.append(tok)
-                parents.append(node)
-                child_of[(node, tok)] = nxt
-            node = nxt
-    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+    return DraftTree.root_only(root).graft(continuations, max_nodes)
 
 
 class NgramProposer:

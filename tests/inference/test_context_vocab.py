@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from specheads.heads.eagle import EagleConfig, EagleHead
 from specheads.inference import Engine
 from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.proposers import AutoregressiveProposer
-from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.proposers.eagle import EagleProposer
-from specheads.inference.sampling import SamplingParams
-from tests.conftest import TINY_VOCAB, tiny_model
+from tests.conftest import TINY_VOCAB, random_eagle_head, start_proposer, tiny_model
 
 DRAFT_IDS = list(range(3, 19))  # 16 tokens; the prompts below use others
 
@@ -44,29 +41,13 @@ def test_disabled_or_full_vocabulary_scores_a_fixed_set():
     assert torch.equal(full.token_ids(torch.tensor([7, 40])), torch.tensor([7, 40]))
 
 
-def _random_head(target) -> EagleHead:
-    torch.manual_seed(0)
-    vocab, hidden = target.get_output_embeddings().weight.shape
-    head = EagleHead(EagleConfig(hidden_size=hidden, vocab_size=vocab, draft_vocab=tuple(DRAFT_IDS)), target)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return head.eval()
-
-
 def _drafted_tokens(proposer: EagleProposer, target, prompt: list[int]) -> set[int]:
-    tokens = torch.tensor(prompt)
-    ctx = ProposalContext(tokens=tokens, num_prompt_tokens=len(prompt), max_depth=4, sampling=SamplingParams(),
-                          generator=None)
-    with torch.no_grad():
-        hidden = target(tokens[None, :-1], output_hidden_states=True).hidden_states
-    proposer.start(ctx, hidden)
-    return set(proposer.propose(ctx).tokens[1:].tolist())
+    return set(proposer.propose(start_proposer(proposer, target, prompt, max_depth=4)).tokens[1:].tolist())
 
 
 def test_eagle_heads_draft_prompt_tokens_only_with_the_context_vocabulary():
     target = tiny_model("llama")
-    head = _random_head(target)
+    head = random_eagle_head(target, aux_layers=(), draft_vocab=tuple(DRAFT_IDS))
     prompt = list(range(40, 64))
     with_context = _drafted_tokens(EagleProposer(head, context_vocab=True), target, prompt)
     without = _drafted_tokens(EagleProposer(head, context_vocab=False), target, prompt)

@@ -97,10 +97,12 @@ def real_verifier(tree: DraftTree, target_logits: torch.Tensor, params: Sampling
 
 
 def first_two_tokens(verifier: Verifier, params: SamplingParams, width: int, depth: int,
-                     deterministic: bool = False, samples: int = SAMPLES, seed: int = 0) -> np.ndarray:
-    """Counts [V, V] of the first two generated tokens over `samples` speculative steps."""
+                     deterministic: bool = False, samples: int = SAMPLES, seed: int = 0,
+                     tree: DraftTree | None = None) -> np.ndarray:
+    """Counts [V, V] of the first two generated tokens over `samples` speculative steps (of `tree`
+    when given: a fixed tree of deterministic drafts)."""
     gen = torch.Generator().manual_seed(seed)
-    fixed_tree = draft_tree(params, width, depth, gen, deterministic) if deterministic else None
+    fixed_tree = tree if tree is not None else draft_tree(params, width, depth, gen, deterministic) if deterministic else None
     x1 = torch.empty(samples, dtype=torch.long)
     x2 = torch.full((samples,), -1, dtype=torch.long)
     for s in range(samples):
@@ -250,6 +252,23 @@ def test_negative_control_flawed_verifier_is_rejected(mistake, params, width, de
     counts = first_two_tokens(flawed_verifier(mistake), params, width, depth, deterministic)
     p_value = chi_square_p(counts, exact_joint(params))
     assert p_value < REJECT_P, f"the test cannot tell a flawed verifier from an exact one (p={p_value:.2e})"
+
+
+@pytest.mark.parametrize("params", [T1, T07_K3], ids=["t1", "t0.7-topk3"])
+def test_grafted_lookup_paths_keep_sampling_exact(params):
+    """A deterministic top-2 tree with prompt-lookup paths grafted on: one through an existing node
+    (adding a new grandchild), one as a new root child. Still one-hot drafts, still exact."""
+    base = draft_tree(params, 2, 2, torch.Generator().manual_seed(0), deterministic=True)
+    first = base.children[0][0]
+    kids = [int(base.tokens[c]) for c in base.children[0]]
+    grandkids = [int(base.tokens[c]) for c in base.children[first]]
+    new_root_child = next(t for t in range(VOCAB) if t not in kids)
+    new_grandchild = next(t for t in range(VOCAB) if t not in grandkids)
+    tree = base.graft([[kids[0], new_grandchild], [new_root_child, kids[0]]], max_new_nodes=4)
+    assert tree.size == base.size + 3
+    counts = first_two_tokens(real_verifier, params, 2, 2, deterministic=True, tree=tree)
+    p_value = chi_square_p(counts, exact_joint(params))
+    assert p_value > PASS_P, f"verifier output differs from the target distribution (p={p_value:.2e})"
 
 
 def greedy_chain(root: int, length: int) -> list[int]:

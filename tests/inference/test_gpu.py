@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads.eagle import EagleConfig, EagleHead
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
 from specheads.inference.proposers.eagle import EagleProposer
+from specheads.inference.proposers.lookup import WithPromptLookup
 from specheads.inference.proposers.medusa import MedusaProposer
 from specheads.inference.proposers.ngram import NgramProposer
 from specheads.trees import PRESETS
-from tests.conftest import repetitive_prompt, tiny_model
+from tests.conftest import random_eagle_head, repetitive_prompt, tiny_model
 from tests.inference.test_medusa_proposer import random_heads
 
 pytestmark = pytest.mark.gpu
@@ -25,17 +25,7 @@ def proposers(target):
     yield "early-exit", DraftModelProposer(early_exit_model(target, 2), DraftConfig(depth=3, width=2))
     yield "eagle", EagleProposer(random_eagle_head(target))
     yield "medusa", MedusaProposer(random_heads(target).to(target.device), PRESETS["medusa-16"])
-
-
-def random_eagle_head(target) -> EagleHead:
-    """Untrained EAGLE heads with aux layers, on the target's device: they draft, mostly wrongly."""
-    torch.manual_seed(0)
-    vocab, hidden = target.get_output_embeddings().weight.shape
-    head = EagleHead(EagleConfig(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2)), target)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return head.to(target.device).eval()
+    yield "eagle+lookup", WithPromptLookup(EagleProposer(random_eagle_head(target)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -165,3 +165,19 @@ def test_invalid_trees_are_rejected():
         DraftTree(tokens=torch.tensor([1, 2, 3]), parents=torch.tensor([-1, 0]))  # shape mismatch
     with pytest.raises(AssertionError):
         DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([-1, 0]), draft_probs=torch.rand(3, 5))
+
+
+def test_graft_follows_matching_nodes_and_adds_the_rest_within_budget():
+    tree = dfs_tree(with_probs=False)
+    # [11, 12, 99]: follows 1 -> 2, then adds 99 under node 2; [14, 15]: already there; [77]: a new root child.
+    grafted = tree.graft([[11, 12, 99], [14, 15], [77]], max_new_nodes=5)
+    assert grafted.tokens.tolist() == TOKENS + [99, 77]
+    assert grafted.parents.tolist() == PARENTS + [2, 0]
+    assert grafted.depths.tolist() == DEPTHS + [3, 1]
+    assert tree.graft([[11, 12, 99], [77]], max_new_nodes=1).tokens.tolist() == TOKENS + [99]
+    assert tree.graft([[11, 12, 13], [14]], max_new_nodes=5) is tree  # nothing new: the same tree
+
+
+def test_graft_refuses_sampled_drafts():
+    with pytest.raises(ValueError, match="sampled drafts"):
+        dfs_tree(with_probs=True).graft([[1]], max_new_nodes=1)

@@ -1,0 +1,84 @@
+"""Prompt lookup grafted onto heads' trees: the heads' tree stays, the lookup path is added, greedy
+output still equals plain greedy, and `--lookup` / `+lookup=N` reach the proposer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specheads.heads.checkpoint import TargetInfo
+from specheads.inference import Engine
+from specheads.inference.bench import parse_methods
+from specheads.inference.methods import MethodOptions, make_proposer
+from specheads.inference.proposers import AutoregressiveProposer
+from specheads.inference.proposers.eagle import EagleProposer
+from specheads.inference.proposers.lookup import DEFAULT_LOOKUP, WithPromptLookup
+from specheads.inference.proposers.medusa import MedusaProposer
+from specheads.inference.proposers.ngram import find_continuations
+from specheads.trees import PRESETS
+from tests.conftest import random_eagle_head, repetitive_prompt, start_proposer, tiny_model
+from tests.inference.test_medusa_proposer import random_heads
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama")
+
+
+def test_the_lookup_path_is_grafted_onto_the_heads_tree(target):
+    head = random_eagle_head(target)
+    span = [10, 11, 12, 13, 14, 15]
+    prompt = [3, 4, 5, *span, 20, 21, 22, *span[:3]]  # ends inside a repeated span: lookup continues it
+    alone = EagleProposer(head)
+    alone_tree = alone.propose(start_proposer(alone, target, prompt))
+    both = WithPromptLookup(EagleProposer(head))
+    ctx = start_proposer(both, target, prompt)
+    tree = both.propose(ctx)
+    (cont,) = find_continuations(ctx.tokens, DEFAULT_LOOKUP, DEFAULT_LOOKUP.depth)
+    assert cont == [13, 14, 15, 20, 21, 22, 10, 11][: DEFAULT_LOOKUP.depth]
+    n = alone_tree.size
+    assert torch.equal(tree.tokens[:n], alone_tree.tokens) and torch.equal(tree.parents[:n], alone_tree.parents)
+    assert tree.size > n  # random heads do not guess the whole continuation
+    node, path = 0, []  # walk the continuation from the root: every token is some node's child
+    for tok in cont:
+        node = next(c for c in tree.children[node] if int(tree.tokens[c]) == tok)
+        path.append(node)
+    assert tree.depths[path].tolist() == list(range(1, len(cont) + 1))
+
+
+@pytest.mark.parametrize("heads", ["eagle", "medusa"])
+def test_greedy_with_lookup_equals_plain_greedy(target, heads):
+    prompt = repetitive_prompt()
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW).output_ids
+
+    def inner():
+        if heads == "eagle":
+            return EagleProposer(random_eagle_head(target))
+        return MedusaProposer(random_heads(target), PRESETS["medusa-16"])
+
+    alone = Engine(target, inner()).generate(prompt, max_new_tokens=MAX_NEW)
+    both = Engine(target, WithPromptLookup(inner())).generate(prompt, max_new_tokens=MAX_NEW)
+    assert alone.output_ids == plain and both.output_ids == plain
+    assert both.stats.drafted > alone.stats.drafted  # the prompt's repeated spans got looked up and verified
+
+
+def test_lookup_option_wraps_the_heads_or_not(target, tmp_path):
+    random_heads(target, num_heads=2).save_pretrained(tmp_path, TargetInfo.from_model(target, "tiny"))
+    default = make_proposer("medusa", target, MethodOptions(heads=str(tmp_path)), None)
+    assert isinstance(default, WithPromptLookup) and default.config == DEFAULT_LOOKUP
+    three = make_proposer("medusa", target, MethodOptions(heads=str(tmp_path), lookup=3), None)
+    assert three.config.num_candidates == 3 and three.config.max_nodes == 3 * DEFAULT_LOOKUP.depth
+    assert isinstance(make_proposer("medusa", target, MethodOptions(heads=str(tmp_path), lookup=0), None), MedusaProposer)
+    with pytest.raises(ValueError, match="--lookup must be >= 0"):
+        make_proposer("medusa", target, MethodOptions(heads=str(tmp_path), lookup=-1), None)
+
+
+def test_bench_specs_take_a_lookup_suffix():
+    specs = parse_methods("eagle:runs/x/final+lookup=0,eagle:runs/x/final@eagle2+lookup=2,medusa:runs/m/final")
+    assert [(s.arg, s.tree, s.lookup) for s in specs] == [
+        ("runs/x/final", None, 0), ("runs/x/final", "eagle2", 2), ("runs/m/final", None, None)]
+    for bad in ("eagle:runs/x/final+lookup=", "eagle:runs/x/final+lookup=-1", "eagle:+lookup=1"):
+        with pytest.raises(ValueError, match=r"\+lookup=N with N >= 0"):
+            parse_methods(bad)
