@@ -3,7 +3,8 @@
 #   1. set up (.venv, project, default target, ShareGPT data);
 #   2. train EAGLE heads with the CPU recipe (~15 min on 2 cores; MEDUSA=1 also trains Medusa heads);
 #   3. measure τ and speed on MT-bench first turns (3 questions of each category) against `ar`, HF `generate`
-#      and `ngram`, in one run; the EAGLE heads run with the CPU default tree and with EAGLE-2's 60-node tree.
+#      and `ngram`, in one run; the EAGLE heads run with the CPU default tree (alone, and with the default
+#      prompt-lookup branch grafted on) and with EAGLE-2's 60-node tree.
 # The table is printed and written to runs/main-<date>/bench/summary.md.
 #
 #   scripts/run.sh                       # defaults
@@ -22,7 +23,8 @@ run="runs/main-$(date +%Y%m%d-%H%M%S)"
 methods="hf,ar,ngram"
 echo "==> training EAGLE heads into $run/eagle"
 .venv/bin/python -m specheads.train configs/eagle-smollm2-cpu.yaml "output_dir=$run/eagle"
-methods="$methods,eagle:$run/eagle/final,eagle:$run/eagle/final@eagle2"  # CPU default tree, and EAGLE-2's 60 nodes
+# The heads alone on the CPU default tree, with prompt lookup grafted on (the default), and on EAGLE-2's 60 nodes.
+methods="$methods,eagle:$run/eagle/final+lookup=0,eagle:$run/eagle/final,eagle:$run/eagle/final@eagle2"
 if [[ "${MEDUSA:-0}" == 1 ]]; then
     echo "==> training Medusa heads into $run/medusa"
     .venv/bin/python -m specheads.train configs/medusa-smollm2-cpu.yaml "output_dir=$run/medusa" \
