@@ -59,6 +59,9 @@ def _run_generate(args: argparse.Namespace) -> None:
 
     if args.method not in METHODS:
         raise ValueError(f"unknown method {args.method!r}; choose one of: {', '.join(METHODS)}")
+    if args.lookup is not None and args.method not in ("eagle", "medusa"):
+        raise ValueError(f"--lookup grafts prompt lookup onto eagle or medusa heads' trees; --method {args.method} "
+                         "does not take it (ngram's candidates are --width)")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -76,8 +79,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         return draft
 
     opts = MethodOptions(draft=args.draft, heads=args.heads, depth=args.depth, width=args.width, tree=args.tree,
-                         topk=args.topk, total_tokens=args.total_tokens, min_expected=args.min_expected_accepted, lookup=args.lookup,
-                         device=args.device, dtype=args.dtype)
+                         topk=args.topk, total_tokens=args.total_tokens, min_expected=args.min_expected_accepted,
+                         lookup=args.lookup, device=args.device, dtype=args.dtype)
     engine = Engine(model, make_proposer(args.method, model, opts, load_draft))
     stops = stop_token_ids(tokenizer, model)
 
