@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from specheads.inference.engine import Engine
-from specheads.inference.methods import METHODS, DraftLoader, MethodOptions, make_proposer
+from specheads.inference.methods import HEADS_METHODS, METHODS, DraftLoader, MethodOptions, make_proposer
 from specheads.inference.proposers.base import Proposer
 from specheads.inference.proposers.eagle import eagle_tree
 from specheads.inference.sampling import SamplingParams
@@ -36,7 +36,6 @@ from specheads.target import render_chat
 
 BASELINES = ("hf", "hf-assisted", "hf-pld")
 _NO_ARG = ("ar", "ngram", "hf")
-_TREE_METHODS = ("eagle", "medusa")  # "eagle:DIR@eagle2", "medusa:DIR@medusa-16": the heads with a named tree
 _TREE_EXAMPLE = {"eagle": "eagle2", "medusa": "medusa-16"}
 _LOOKUP_SUFFIX = "+lookup="  # "eagle:DIR+lookup=0": the heads without prompt lookup grafted on
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
@@ -72,13 +71,13 @@ def parse_methods(spec: str) -> list[MethodSpec]:
             hint = " or draft:early-exit:N" if method == "draft" else ""
             raise ValueError(f"method {method} needs a path: {method}:PATH{hint}")
         tree = lookup = None
-        if method in _TREE_METHODS and _LOOKUP_SUFFIX in arg:  # "eagle:DIR@eagle2+lookup=0"
+        if method in HEADS_METHODS and _LOOKUP_SUFFIX in arg:  # "eagle:DIR@eagle2+lookup=0"
             arg, _, n = arg.rpartition(_LOOKUP_SUFFIX)
             if not (arg and n.isdigit()):
                 raise ValueError(f"{name}: write {method}:DIR{_LOOKUP_SUFFIX}N with N >= 0 continuations, "
                                  f"e.g. {method}:runs/x/final{_LOOKUP_SUFFIX}0 for the heads alone")
             lookup = int(n)
-        if method in _TREE_METHODS and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
+        if method in HEADS_METHODS and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
             arg, _, tree = arg.rpartition("@")
             if not arg or not tree:
                 raise ValueError(f"{name}: write {method}:DIR@TREE, e.g. {method}:runs/x/final@{_TREE_EXAMPLE[method]}")

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from specheads.inference.methods import METHODS, MethodOptions
+from specheads.inference.methods import HEADS_METHODS, METHODS, MethodOptions
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -59,7 +59,7 @@ def _run_generate(args: argparse.Namespace) -> None:
 
     if args.method not in METHODS:
         raise ValueError(f"unknown method {args.method!r}; choose one of: {', '.join(METHODS)}")
-    if args.lookup is not None and args.method not in ("eagle", "medusa"):
+    if args.lookup is not None and args.method not in HEADS_METHODS:
         raise ValueError(f"--lookup grafts prompt lookup onto eagle or medusa heads' trees; --method {args.method} "
                          "does not take it (ngram's candidates are --width)")
     if args.max_new_tokens < 1:

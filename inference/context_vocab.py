@@ -27,7 +27,9 @@ class ContextVocabulary:
         self._base_ids = draft_ids
         self._base_weight = lm_weight if draft_ids is None else lm_weight[draft_ids]  # [Vd, H], gathered once
         self.enabled = enabled and draft_ids is not None
-        self._known = torch.zeros(lm_weight.shape[0], dtype=torch.bool, device=lm_weight.device)  # [V]
+        # Membership lives on the CPU, where the engine's committed tokens are: checking a step's few
+        # tokens costs no device sync; only the rare new rows go to the weight's device.
+        self._known = torch.zeros(lm_weight.shape[0], dtype=torch.bool)  # [V]
         self.reset(torch.zeros(0, dtype=torch.long))
 
     @property
@@ -39,7 +41,7 @@ class ContextVocabulary:
         device = self._lm_weight.device
         self._known.zero_()
         if self._base_ids is not None:
-            self._known[self._base_ids] = True
+            self._known[self._base_ids.cpu()] = True
         self._extra_ids = torch.zeros(0, dtype=torch.long, device=device)  # [E]
         self._extra_weight = self._lm_weight[:0]  # [E, H]
         self._ids = self._base_ids  # [Vd + E] token id of each logit column
@@ -49,11 +51,12 @@ class ContextVocabulary:
         """Score `tokens` [n] from now on (no-op for those already scored)."""
         if not self.enabled or tokens.numel() == 0:
             return
-        tokens = tokens.to(self._known.device, torch.long)
+        tokens = tokens.to("cpu", torch.long)
         new = tokens[~self._known[tokens]].unique()
         if new.numel() == 0:
             return
         self._known[new] = True
+        new = new.to(self._lm_weight.device)
         self._extra_ids = torch.cat([self._extra_ids, new])
         self._extra_weight = torch.cat([self._extra_weight, self._lm_weight[new]])
         self._ids = torch.cat([self._base_ids, self._extra_ids])

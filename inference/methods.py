@@ -33,6 +33,9 @@ class MethodOptions:
     dtype: str = "auto"
 
 
+HEADS_METHODS = ("eagle", "medusa")  # methods drafting a tree from trained heads (tree presets, --lookup)
+
+
 # Loads a draft model and checks it shares the target's vocabulary; injected so this module needs no target I/O.
 DraftLoader = Callable[[str], PreTrainedModel]
 

@@ -102,6 +102,8 @@ class DraftTree:
         """
         if self.draft_probs is not None:
             raise ValueError("cannot graft onto a tree of sampled drafts (draft_probs set)")
+        if not paths or max_new_nodes < 1:  # most steps of a lookup with no match: skip the rebuild
+            return self
         tokens = self.tokens.tolist()
         parents = self.parents.tolist()
         child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}

@@ -94,8 +94,8 @@ class EagleProposer:
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         assert target_hidden is not None
         feats = self.head.select_features(target_hidden)[0, result.path.to(target_hidden[-1].device)]  # [A+1, D]
+        self.vocab.add(result.tokens)
         toks = result.tokens.to(self.device)
-        self.vocab.add(toks)
         if self._pending is not None:  # pairs from start() not fed yet: the prefill step drafted nothing
             feats, toks = torch.cat([self._pending[0], feats]), torch.cat([self._pending[1], toks])
         self._pending = (feats, toks)
