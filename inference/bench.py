@@ -1,10 +1,10 @@
 """Methods side by side on the same questions, interleaved per question so machine drift hits all alike.
 
 Method specs: the engine methods of `specheads.inference.methods.METHODS` (`ar`, `ngram`,
-`draft:PATH`, `draft:early-exit:N`, `eagle:HEADS_DIR`, `medusa:HEADS_DIR`, ...; heads take an
-optional `@TREE` suffix, `eagle:DIR@eagle2`, to run the same heads with another tree, and a
-`+lookup=N` suffix for the prompt-lookup continuations grafted onto it, `eagle:DIR+lookup=0` for
-the heads alone) and the
+`draft:PATH`, `draft:early-exit:N`, and each drafter kind as `KIND:HEADS_DIR`; a method with named
+trees takes an optional `@TREE` suffix to run the same heads with another tree, and one with a
+`lookup` option a `+lookup=N` suffix for the prompt-lookup continuations grafted onto its tree,
+`+lookup=0` for the heads alone) and the
 transformers baselines `hf` (`generate`), `hf-assisted:PATH` (assisted generation with a draft
 model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Every method answers the same
 rendered prompt; on a second turn each method sees its own first answer. For greedy runs each
@@ -19,43 +19,42 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from specheads.inference.engine import Engine
-from specheads.inference.methods import HEADS_METHODS, METHODS, DraftLoader, MethodOptions, make_proposer
+from specheads.inference.methods import METHODS, DraftLoader, make_proposer
 from specheads.inference.proposers.base import Proposer
-from specheads.inference.proposers.eagle import eagle_tree
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.questions import Question
 from specheads.target import render_chat
 
 BASELINES = ("hf", "hf-assisted", "hf-pld")
-_NO_ARG = ("ar", "ngram", "hf")
-_TREE_EXAMPLE = {"eagle": "eagle2", "medusa": "medusa-16"}
-_LOOKUP_SUFFIX = "+lookup="  # "eagle:DIR+lookup=0": the heads without prompt lookup grafted on
+_LOOKUP_SUFFIX = "+lookup="  # "KIND:DIR+lookup=0": the heads without prompt lookup grafted on
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
 
 
 def valid_methods() -> list[str]:
-    return [*METHODS, *BASELINES]
+    return [*METHODS.names(), *BASELINES]
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     name: str  # as given, e.g. "draft:early-exit:8"; the key of every record and table row
-    method: str  # "ar", "hf", "ngram", "draft", ...
+    method: str  # "ar", "hf", "ngram", "draft", a drafter kind, ...
     arg: str | None = None  # draft model, heads folder, assistant model, or hf-pld draft length
-    tree: str | None = None  # eagle/medusa: tree preset (or medusa tree file) from an "@TREE" suffix
-    lookup: int | None = None  # eagle/medusa: prompt-lookup continuations from a "+lookup=N" suffix (None: default)
+    tree: str | None = None  # a named tree (or a tree file, where the method reads them) from an "@TREE" suffix
+    lookup: int | None = None  # prompt-lookup continuations from a "+lookup=N" suffix (None: the method's default)
+    options: Any = None  # the engine method's options (None for the HF baselines)
 
 
 def parse_methods(spec: str) -> list[MethodSpec]:
-    """'ar,hf,ngram,draft:early-exit:8' -> specs; unknown names list the valid ones."""
+    """'ar,hf,ngram,draft:early-exit:8' -> specs; unknown names list the valid ones. Each engine method's options
+    are built (and so validated) here, before any model loads."""
     out: list[MethodSpec] = []
     for name in (s.strip() for s in spec.split(",")):
         if not name:
@@ -63,32 +62,46 @@ def parse_methods(spec: str) -> list[MethodSpec]:
         method, _, arg = name.partition(":")
         if method not in METHODS and method not in BASELINES:
             raise ValueError(f"unknown method {method!r} in --methods; valid: {', '.join(valid_methods())}")
-        if method in _NO_ARG and arg:
-            raise ValueError(f"method {method} takes no argument, got {name!r}")
-        if method == "hf-pld" and arg and not (arg.isdigit() and int(arg) >= 1):
-            raise ValueError(f"{name}: the hf-pld argument is the draft length N >= 1, e.g. hf-pld:10")
-        if method not in _NO_ARG and method != "hf-pld" and not arg:
-            hint = " or draft:early-exit:N" if method == "draft" else ""
-            raise ValueError(f"method {method} needs a path: {method}:PATH{hint}")
-        tree = lookup = None
-        if method in HEADS_METHODS and _LOOKUP_SUFFIX in arg:  # "eagle:DIR@eagle2+lookup=0"
-            arg, _, n = arg.rpartition(_LOOKUP_SUFFIX)
-            if not (arg and n.isdigit()):
-                raise ValueError(f"{name}: write {method}:DIR{_LOOKUP_SUFFIX}N with N >= 0 continuations, "
-                                 f"e.g. {method}:runs/x/final{_LOOKUP_SUFFIX}0 for the heads alone")
-            lookup = int(n)
-        if method in HEADS_METHODS and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
-            arg, _, tree = arg.rpartition("@")
-            if not arg or not tree:
-                raise ValueError(f"{name}: write {method}:DIR@TREE, e.g. {method}:runs/x/final@{_TREE_EXAMPLE[method]}")
-            if method == "eagle":
-                eagle_tree(tree)
         if any(s.name == name for s in out):
             raise ValueError(f"method {name!r} is listed twice in --methods")
-        out.append(MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=lookup))
+        out.append(_baseline_spec(name, method, arg) if method in BASELINES else _engine_spec(name, method, arg))
     if not out:
         raise ValueError("--methods is empty; e.g. --methods ar,hf,ngram")
     return out
+
+
+def _baseline_spec(name: str, method: str, arg: str) -> MethodSpec:
+    if method == "hf" and arg:
+        raise ValueError(f"method {method} takes no argument, got {name!r}")
+    if method == "hf-pld" and arg and not (arg.isdigit() and int(arg) >= 1):
+        raise ValueError(f"{name}: the hf-pld argument is the draft length N >= 1, e.g. hf-pld:10")
+    if method == "hf-assisted" and not arg:
+        raise ValueError(f"method {method} needs a path: {method}:PATH")
+    return MethodSpec(name=name, method=method, arg=arg or None)
+
+
+def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
+    """`METHOD[:ARG[@TREE][+lookup=N]]`: the suffixes are read only for methods with those options."""
+    m = METHODS.get(method)
+    if m.arg is None and arg:
+        raise ValueError(f"method {method} takes no argument, got {name!r}")
+    if m.arg is not None and not arg:
+        raise ValueError(f"method {method} needs a path: {method}:{m.arg_hint}")
+    tree = lookup = None
+    if m.takes("lookup") and _LOOKUP_SUFFIX in arg:  # "KIND:DIR@TREE+lookup=0"
+        arg, _, n = arg.rpartition(_LOOKUP_SUFFIX)
+        if not (arg and n.isdigit()):
+            raise ValueError(f"{name}: write {method}:DIR{_LOOKUP_SUFFIX}N with N >= 0 continuations, "
+                             f"e.g. {method}:runs/x/final{_LOOKUP_SUFFIX}0 for the heads alone")
+        lookup = int(n)
+    if m.takes("tree") and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
+        arg, _, tree = arg.rpartition("@")
+        if not arg or not tree:
+            example = list(m.trees)[-1] if m.trees else "TREE"
+            raise ValueError(f"{name}: write {method}:DIR@TREE, e.g. {method}:runs/x/final@{example}")
+    values = {"tree": tree, "lookup": lookup, **({m.arg: arg} if m.arg else {})}
+    return MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=lookup,
+                      options=m.make_options(values))
 
 
 class Runner(Protocol):
@@ -177,8 +190,7 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
         elif spec.method == "hf-pld":
             runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
         else:
-            opts = MethodOptions(draft=spec.arg) if spec.method == "draft" else MethodOptions(heads=spec.arg, tree=spec.tree, lookup=spec.lookup)
-            runners[spec.name] = _EngineRunner(Engine(target, make_proposer(spec.method, target, opts, load_draft)))
+            runners[spec.name] = _EngineRunner(Engine(target, make_proposer(spec.method, target, spec.options, load_draft)))
     return runners
 
 

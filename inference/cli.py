@@ -8,27 +8,19 @@ import logging
 import sys
 from pathlib import Path
 
-from specheads.inference.methods import HEADS_METHODS, METHODS, MethodOptions
+from specheads.inference.methods import METHODS, flag, option_flags
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with a target and a proposer",
                        description="Generate with speculative decoding (greedy output equals plain greedy decoding).")
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
-    p.add_argument("--method", default="ar", help=f"one of: {', '.join(METHODS)}")
-    p.add_argument("--draft", help="draft model (HF id or folder) or early-exit:N, for --method draft")
-    p.add_argument("--heads", help="trained heads folder, for --method medusa|eagle (e.g. runs/eagle/final)")
-    p.add_argument("--depth", type=int, help="draft depth (tokens per branch / tree levels)")
-    p.add_argument("--topk", type=int, help="eagle: children per expanded node")
-    p.add_argument("--total-tokens", type=int, help="eagle: tree size including the root")
-    p.add_argument("--min-expected-accepted", type=float,
-                   help="eagle: take a plain step when the draft expects fewer accepted tokens (CPU: try 0.7)")
-    p.add_argument("--tree", help="medusa: tree preset name or YAML/JSON file of paths; "
-                                  "eagle: cpu (default: depth 5, top-4, 12 nodes), wide (6/8/32) or eagle2 (6/10/60); "
-                                  "--depth/--topk/--total-tokens override its fields")
-    p.add_argument("--width", type=int, help="root branches (draft) or candidates (ngram)")
-    p.add_argument("--lookup", type=int, help="eagle, medusa: prompt-lookup continuations grafted onto the heads' tree "
-                                              "(default 1; 0 = the heads alone)")
+    p.add_argument("--method", default="ar", help="; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
+                   + " (default ar)")
+    methods = p.add_argument_group("method options", "each applies to the methods named in its help; giving one "
+                                                     "that the chosen --method does not take is an error")
+    for opt in option_flags():
+        methods.add_argument(flag(opt.name), dest=opt.name, type=opt.type, help=opt.help)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the answer streams to stdout, stats go to stderr")
     src.add_argument("--questions", type=Path, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
@@ -52,16 +44,13 @@ def _run_generate(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specheads.inference.engine import Engine
-    from specheads.inference.methods import check_same_vocabulary, make_proposer
+    from specheads.inference.methods import make_proposer
+    from specheads.inference.proposers.draft_model import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import load_questions
     from specheads.target import load_target, parse_device, render_chat, stop_token_ids
 
-    if args.method not in METHODS:
-        raise ValueError(f"unknown method {args.method!r}; choose one of: {', '.join(METHODS)}")
-    if args.lookup is not None and args.method not in HEADS_METHODS:
-        raise ValueError(f"--lookup grafts prompt lookup onto eagle or medusa heads' trees; --method {args.method} "
-                         "does not take it (ngram's candidates are --width)")
+    options = METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -78,10 +67,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         check_same_vocabulary(model, tokenizer, draft, draft_tok)
         return draft
 
-    opts = MethodOptions(draft=args.draft, heads=args.heads, depth=args.depth, width=args.width, tree=args.tree,
-                         topk=args.topk, total_tokens=args.total_tokens, min_expected=args.min_expected_accepted,
-                         lookup=args.lookup, device=args.device, dtype=args.dtype)
-    engine = Engine(model, make_proposer(args.method, model, opts, load_draft))
+    engine = Engine(model, make_proposer(args.method, model, options, load_draft))
     stops = stop_token_ids(tokenizer, model)
 
     def answer(turns: list[str], stream: bool):
@@ -148,11 +134,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                                    "question so machine drift hits all alike; write per-question results, overall "
                                    "and per-category tables, and plots.")
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
+    engine = [f"{name}:{m.arg_hint}" if m.arg else name for name, m in METHODS.items()]
+    suffixes = [f"{name}:DIR@TREE ({', '.join(m.trees)})" for name, m in METHODS.items() if m.trees]
+    suffixes += [f"{name}:DIR+lookup=N" for name, m in METHODS.items() if m.takes("lookup")]
     p.add_argument("--methods", default="ar,hf,ngram",
-                   help=f"comma list of: {', '.join(m for m in METHODS if m not in ('ar', 'ngram'))} (each as NAME:PATH, "
-                        f"draft also draft:early-exit:N; heads also DIR@TREE and DIR+lookup=N), ar, ngram, {', '.join(BASELINES)} (hf = transformers generate, "
-                        "hf-assisted:PATH its assisted generation with a draft model, hf-pld[:N] its prompt lookup). "
-                        "Default: ar,hf,ngram")
+                   help=f"comma list of engine methods: {'; '.join(engine)}; also {'; '.join(suffixes)}; and the "
+                        f"baselines {', '.join(BASELINES)} (hf = transformers generate, hf-assisted:PATH its assisted "
+                        "generation with a draft model, hf-pld[:N] its prompt lookup). Default: ar,hf,ngram")
     p.add_argument("--questions", type=Path, required=True, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
     p.add_argument("--limit", type=int, help="first N questions only (N >= 1; omit for all)")
     p.add_argument("--per-category", type=int, metavar="N",
@@ -198,7 +186,7 @@ def _run_bench(args: argparse.Namespace) -> None:
 
     from specheads.inference import bench_report
     from specheads.inference.bench import build_runners, parse_methods, run_bench
-    from specheads.inference.methods import check_same_vocabulary
+    from specheads.inference.proposers.draft_model import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import load_questions
     from specheads.target import load_target, parse_device, stop_token_ids

@@ -1,132 +1,120 @@
-"""Method names -> proposers: the one place that knows which proposer backs `--method`."""
+"""Decoding methods by name: the one table that `--method`, bench method specs and their options come from.
+
+Each proposer module registers its `Method` (see `proposers/__init__.py` for the built-in ones); a
+drafter kind's method carries the kind's name. A method declares its options as a frozen dataclass
+whose fields document themselves (`option(help)`), so the command line's flags, their help and the
+check that a flag applies to the chosen method are all derived from the registered options.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel
 
-from specheads.inference.proposers.base import AutoregressiveProposer, Proposer
-from specheads.inference.proposers.draft_model import (
-    DraftConfig,
-    DraftModelProposer,
-    early_exit_model,
-    vocab_size,
-)
-from specheads.inference.proposers.lookup import DEFAULT_LOOKUP, WithPromptLookup
-from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
+from specheads.registry import Registry
 
+if TYPE_CHECKING:
+    from specheads.inference.proposers.base import Proposer
 
-@dataclass(frozen=True)
-class MethodOptions:
-    draft: str | None = None  # draft model path / id, or "early-exit:N"
-    heads: str | None = None  # trained heads folder (medusa, eagle)
-    tree: str | None = None  # medusa: tree preset or file; eagle: tree preset (EAGLE_TREES)
-    topk: int | None = None  # eagle: children per expanded node
-    total_tokens: int | None = None  # eagle: tree size including the root
-    min_expected: float | None = None  # eagle: plain step when the draft expects fewer accepted tokens
-    depth: int | None = None  # draft depth (proposer default when None)
-    width: int | None = None  # branches at the root for `draft`, candidates for `ngram`
-    lookup: int | None = None  # eagle, medusa: prompt-lookup continuations grafted onto the tree (0: none)
-    device: str = "cpu"
-    dtype: str = "auto"
-
-
-HEADS_METHODS = ("eagle", "medusa")  # methods drafting a tree from trained heads (tree presets, --lookup)
-
-
-# Loads a draft model and checks it shares the target's vocabulary; injected so this module needs no target I/O.
+# Loads a draft model and checks it shares the target's vocabulary; injected so no method needs target I/O.
 DraftLoader = Callable[[str], PreTrainedModel]
 
 
-def _ar(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
-    return AutoregressiveProposer()
+def option(help: str, default: Any = None) -> Any:
+    """A method option: a dataclass field whose help text documents its command-line flag."""
+    return field(default=default, metadata={"help": help})
 
 
-def _ngram(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
-    cfg = NgramConfig()
-    overrides = {}
-    if opts.depth is not None:
-        overrides["depth"] = opts.depth
-    if opts.width is not None:
-        overrides["num_candidates"] = opts.width
-    return NgramProposer(NgramConfig(**{**cfg.__dict__, **overrides}))
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a method that takes none."""
 
 
-def _draft(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
-    if not opts.draft:
-        raise ValueError("method 'draft' needs --draft PATH (a causal LM with the target's vocabulary) or --draft early-exit:N")
-    if opts.draft.startswith("early-exit:"):
-        n = opts.draft.split(":", 1)[1]
-        if not n.isdigit():
-            raise ValueError(f"--draft {opts.draft}: N must be a layer count, e.g. early-exit:8")
-        model = early_exit_model(target, int(n))
-    else:
-        model = load_draft(opts.draft)
-    cfg = DraftConfig(depth=opts.depth or DraftConfig.depth, width=opts.width or DraftConfig.width)
-    return DraftModelProposer(model, cfg, target_vocab_size=vocab_size(target))
+@dataclass(frozen=True)
+class Method:
+    name: str  # `--method NAME`; a drafter kind's method carries the kind's name
+    summary: str  # one line for help texts
+    options: type  # frozen dataclass of the method's options (fields made with `option`), validated on construction
+    build: Callable[[PreTrainedModel, Any, DraftLoader | None], Proposer]  # (target, options, load_draft) -> proposer
+    arg: str | None = None  # the option a bench spec `NAME:ARG` fills; required when set
+    arg_hint: str = "PATH"  # how to write that argument, for messages and help
+    trees: Mapping[str, Any] = field(default_factory=dict)  # named trees of the `tree` option (bench's NAME:ARG@TREE)
+
+    def __post_init__(self) -> None:
+        if not is_dataclass(self.options):
+            raise TypeError(f"method {self.name!r}: options must be a dataclass, got {self.options!r}")
+        if self.arg is not None and not self.takes(self.arg):
+            raise TypeError(f"method {self.name!r}: arg {self.arg!r} is not one of its options")
+
+    def takes(self, name: str) -> bool:
+        return any(f.name == name for f in fields(self.options))
+
+    def make_options(self, values: Mapping[str, Any]) -> Any:
+        """The options from {option: value}; None means "not given" (the default). A value for an option this
+        method does not take is refused, naming the flags it does take; a missing `arg` is refused."""
+        given = {k: v for k, v in values.items() if v is not None}
+        foreign = [k for k in given if not self.takes(k)]
+        if foreign:
+            takes = ", ".join(flag(f.name) for f in fields(self.options)) or "no options"
+            raise ValueError(f"{flag(foreign[0])} does not apply to --method {self.name} (it takes {takes})")
+        if self.arg is not None and self.arg not in given:
+            raise ValueError(f"method {self.name!r} needs {flag(self.arg)} {self.arg_hint}")
+        return self.options(**given)
+
+    def heads_alone(self, path: str) -> Any:
+        """Options for the drafter saved at `path` with nothing grafted on (what training measures)."""
+        return self.make_options({self.arg: path, **({"lookup": 0} if self.takes("lookup") else {})})
 
 
-def _eagle(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
-    from specheads.heads.eagle import EagleHead
-    from specheads.inference.proposers.eagle import EagleProposer, EagleTreeConfig, eagle_tree
-
-    if not opts.heads:
-        raise ValueError("method 'eagle' needs --heads DIR (the final/ folder of an eagle training run)")
-    base = eagle_tree(opts.tree)  # before loading, so a bad name costs nothing
-    lookup = _lookup(opts)
-    head = EagleHead.from_pretrained(opts.heads, target)
-    tree = EagleTreeConfig(depth=opts.depth or base.depth, topk=opts.topk or base.topk,
-                           total_tokens=opts.total_tokens or base.total_tokens,
-                           min_expected_accepted=opts.min_expected if opts.min_expected is not None
-                           else base.min_expected_accepted)
-    return _with_lookup(EagleProposer(head, tree), lookup)
+METHODS: Registry[Method] = Registry("method", builtins="specheads.inference.proposers")
 
 
-def _medusa(target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
-    from specheads.inference.proposers.medusa import load_medusa_proposer
-
-    if not opts.heads:
-        raise ValueError("method 'medusa' needs --heads DIR (the final/ folder of a medusa training run)")
-    lookup = _lookup(opts)
-    return _with_lookup(load_medusa_proposer(opts.heads, target, tree=opts.tree, max_depth=opts.depth), lookup)
+def register_method(method: Method) -> Method:
+    return METHODS.register(method.name, method)
 
 
-def _lookup(opts: MethodOptions) -> NgramConfig | None:
-    """The prompt lookup grafted onto heads' trees: DEFAULT_LOOKUP unless --lookup says otherwise (0: none)."""
-    n = DEFAULT_LOOKUP.num_candidates if opts.lookup is None else opts.lookup
-    if n < 0:
-        raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it off), got {n}")
-    return replace(DEFAULT_LOOKUP, num_candidates=n, max_nodes=n * DEFAULT_LOOKUP.depth) if n else None
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
-def _with_lookup(proposer: Proposer, lookup: NgramConfig | None) -> Proposer:
-    return proposer if lookup is None else WithPromptLookup(proposer, lookup)
+@dataclass(frozen=True)
+class OptionFlag:
+    name: str  # the options field, e.g. "total_tokens" (flag --total-tokens)
+    type: type  # int, float or str
+    help: str  # "method: help" for every method that takes it
 
 
-METHODS: dict[str, Callable[[PreTrainedModel, MethodOptions, DraftLoader], Proposer]] = {
-    "ar": _ar,
-    "ngram": _ngram,
-    "draft": _draft,
-    "eagle": _eagle,
-    "medusa": _medusa,
-}
+def option_flags() -> list[OptionFlag]:
+    """Every option of every registered method, once, with its type and the methods that take it, in order."""
+    seen: dict[str, tuple[type, dict[str, list[str]]]] = {}
+    for name, method in METHODS.items():
+        hints = typing.get_type_hints(method.options)
+        for f in fields(method.options):
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise TypeError(f"method {name!r}: option {f.name!r} needs a default (None = not given)")
+            kind = _scalar(hints[f.name], f"{name}.{f.name}")
+            known_kind, helps = seen.setdefault(f.name, (kind, {}))
+            if known_kind is not kind:
+                raise TypeError(f"option {f.name!r} is {known_kind.__name__} in one method, {kind.__name__} in {name!r}")
+            helps.setdefault(f.metadata.get("help", ""), []).append(name)
+    return [OptionFlag(n, kind, "; ".join(f"{', '.join(ms)}: {h}" for h, ms in helps.items()))
+            for n, (kind, helps) in seen.items()]
 
 
-def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer) -> None:
-    """A draft must map token ids to the same strings as the target, or its guesses mean nothing."""
-    if vocab_size(draft) != vocab_size(target):
-        raise ValueError(
-            f"the draft model's vocabulary has {vocab_size(draft)} tokens but the target's has {vocab_size(target)}; "
-            "use a draft model from the target's family (same tokenizer)"
-        )
-    if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "
-                         "use a draft model from the target's family")
+def _scalar(tp: Any, where: str) -> type:
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if len(args) != 1 or args[0] not in (int, float, str):
+        raise TypeError(f"option {where} must be int, float or str (optionally | None), got {tp}")
+    return args[0]
 
 
-def make_proposer(method: str, target: PreTrainedModel, opts: MethodOptions, load_draft: DraftLoader) -> Proposer:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    return METHODS[method](target, opts, load_draft)
+def make_proposer(method: str, target: PreTrainedModel, options: Any, load_draft: DraftLoader | None) -> Proposer:
+    """The proposer `method` builds for `target` with `options` (its own options class, e.g. from make_options)."""
+    spec = METHODS.get(method)
+    if not isinstance(options, spec.options):
+        raise TypeError(f"method {method!r} takes {spec.options.__name__}, got {type(options).__name__}")
+    return spec.build(target, options, load_draft)

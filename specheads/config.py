@@ -103,8 +103,8 @@ def _deepcopy(d: Any) -> Any:
     return {k: _deepcopy(v) for k, v in d.items()} if isinstance(d, dict) else d
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
-    """Read YAML at `path` (or start empty), apply overrides, and build + validate `cls`."""
+def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> dict[str, Any]:
+    """The YAML mapping at `path` (or an empty one) with `key=value` overrides applied, not yet validated."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -116,7 +116,12 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()
             raise ValueError(f"config file {path} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping of keys to values")
-    return build(cls, apply_overrides(data, list(overrides)))
+    return apply_overrides(data, list(overrides))
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Read YAML at `path` (or start empty), apply overrides, and build + validate `cls`."""
+    return build(cls, read_config_data(path, overrides))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

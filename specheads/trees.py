@@ -1,4 +1,4 @@
-"""Static draft trees for Medusa-style heads, as lists of paths of top-k indices.
+"""Static draft trees for heads that draft a fixed shape (Medusa), as lists of paths of top-k indices.
 
 A path [i0, i1, ..., id] is the node reached by taking head 0's i0-th choice,
 then head 1's i1-th choice, and so on: [0, 1] = head 0's top-1 followed by head 1's
@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -123,23 +123,18 @@ def prune_depth(tree: Sequence[Sequence[int]], max_depth: int) -> Tree:
     return [list(p) for p in tree if len(p) <= max_depth]
 
 
-PRESETS: dict[str, Tree] = {
-    "chain-4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
-    "medusa-16": build_static_tree(TYPICAL_ACCURACIES, 16),
-    "medusa-32": build_static_tree(TYPICAL_ACCURACIES, 32),
-    "medusa-63": build_static_tree(TYPICAL_ACCURACIES, 63),
-}
-
-
-def resolve_tree(spec: str | os.PathLike | Sequence[Sequence[int]]) -> Tree:
-    """A tree from a preset name, a YAML/JSON file (a list of paths, or {"tree": [...]}) or a list of paths."""
+def resolve_tree(spec: str | os.PathLike | Sequence[Sequence[int]], presets: Mapping[str, Tree] | None = None) -> Tree:
+    """A tree from a preset name (a key of `presets`), a YAML/JSON file (a list of paths, or {"tree": [...]})
+    or a list of paths."""
+    presets = presets or {}
     if isinstance(spec, (str, os.PathLike)):
         name = os.fspath(spec)
-        if name in PRESETS:
-            return [list(p) for p in PRESETS[name]]
+        if name in presets:
+            return [list(p) for p in presets[name]]
         file = Path(name)
         if not file.is_file():
-            raise ValueError(f"unknown tree {name!r}: use a preset ({', '.join(PRESETS)}) or a YAML/JSON file "
+            known = f"a preset ({', '.join(presets)}) or " if presets else ""
+            raise ValueError(f"unknown tree {name!r}: use {known}a YAML/JSON file "
                              "holding a list of paths such as [[0], [1], [0, 0]]")
         try:
             data = yaml.safe_load(file.read_text(encoding="utf-8"))  # YAML is a superset of JSON

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -119,6 +123,35 @@ def tiny_model_dir(tmp_path_factory):
     tiny_model("llama").save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_run_inputs(tmp_path_factory):
+    """A saved tiny target and a ShareGPT-format JSONL whose answers follow a learnable pattern."""
+    root = tmp_path_factory.mktemp("recipe")
+    target = root / "target"
+    tiny_model("llama").save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    rng = random.Random(0)
+    rows = []
+    for _ in range(48):
+        conv = []
+        for _ in range(2):
+            conv.append({"from": "human", "value": " ".join(f"w{rng.randrange(3, 96)}" for _ in range(6))})
+            start = rng.randrange(3, 60)
+            conv.append({"from": "gpt", "value": " ".join(f"w{(start + 3 * k) % 93 + 3}" for k in range(16))})
+        rows.append({"conversations": conv})
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target, data
+
+
+def base_args(inputs, out: Path, *extra: str) -> list[str]:
+    target, data = inputs
+    return ["recipe=eagle", f"target={target}", f"data.source={data}", f"output_dir={out}", "data.max_length=96",
+            "optim.batch_size=4", "optim.warmup_steps=2", "draft_vocab_size=48", "log_every=1", "eval_every=100",
+            "data.eval_fraction=0.1", *extra]
+
 
 
 def pytest_collection_modifyitems(config, items):

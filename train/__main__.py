@@ -9,7 +9,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nCommon overrides: output_dir=DIR max_steps=N data.max_conversations=N resume=true "
+        from specheads.train.objective import OBJECTIVES
+
+        print(__doc__.strip() + f"\n\nRecipes (the config's recipe: key): {', '.join(OBJECTIVES.names())}."
+              "\nCommon overrides: output_dir=DIR max_steps=N data.max_conversations=N resume=true "
               "report_to=wandb", file=sys.stderr)
         return 0 if args else 2
     config_path, overrides = (None, args) if "=" in args[0] else (args[0], args[1:])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from specheads.config import load_config
-
-RECIPES = ("eagle", "medusa")
+from specheads.config import build, read_config_data
+from specheads.train.objective import OBJECTIVES
 
 
 @dataclass(frozen=True)
@@ -31,31 +31,6 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class HeadsConfig:
-    eagle_layers: int = 1
-    init_from_target_layer: int | None = None  # EAGLE: copy this target layer into the head (None: random init, learns faster)
-    cls_weight: float = 0.1  # EAGLE: weight of the soft cross-entropy next to the feature SmoothL1 loss
-    reg_weight: float = 1.0  # EAGLE: weight of the feature SmoothL1 loss (EAGLE-3 drops it: 0 with cls_weight 1)
-    feature_noise: float = 0.0  # EAGLE: uniform noise of this amplitude on input features (regularisation)
-    ttt_steps: int = 1  # EAGLE: draft steps unrolled in training, each fed the previous step's outputs (1 = EAGLE-1)
-    ttt_decay: float = 0.8  # EAGLE: loss weight of unrolled step k is ttt_decay**k
-    aux_layers: tuple[int, ...] = ()  # EAGLE: target hidden_states also fed to the head (EAGLE-3: 2, L//2, L-3); () = EAGLE-1
-    medusa_heads: int = 4
-    medusa_layers: int = 1
-    medusa_decay: float = 0.8  # Medusa: head k's loss weight is decay**k
-    own_lm_head: bool = False  # Medusa: train an LM head per head (initialised from the target's) instead of sharing it
-
-
-    def __post_init__(self) -> None:
-        if self.ttt_steps < 1:
-            raise ValueError(f"heads.ttt_steps must be >= 1 (1 trains plain EAGLE-1), got {self.ttt_steps}")
-        if self.cls_weight < 0 or self.reg_weight < 0 or self.cls_weight + self.reg_weight == 0:
-            raise ValueError("heads.cls_weight and heads.reg_weight must be >= 0, and not both 0")
-        if not 0.0 < self.ttt_decay <= 1.0:
-            raise ValueError(f"heads.ttt_decay must be in (0, 1], got {self.ttt_decay}")
-
-
-@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -71,9 +46,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    recipe: str = "eagle"  # "eagle" or "medusa"
+    recipe: str | None = None  # the objective to train (a name in OBJECTIVES); every config names one
     target: str = "default"
-    output_dir: str = "runs/eagle"
+    output_dir: str | None = None  # default: runs/<recipe>
     max_steps: int = 300
     seed: int = 0
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
@@ -90,12 +65,21 @@ class TrainConfig:
     measure_prompts: int = 4  # held-out prompts the final heads decode greedily for the measured τ (0: skip)
     measure_max_new_tokens: int = 64
     data: DataConfig = field(default_factory=DataConfig)
-    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    heads: Any = None  # the recipe's own settings class (Objective.settings); None: its defaults
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        if self.recipe is None:
+            raise ValueError(f"the config names no recipe; add recipe: one of {', '.join(OBJECTIVES.names())} "
+                             "(or pass recipe=NAME)")
+        settings = OBJECTIVES.get(self.recipe).settings
+        if self.heads is None:
+            object.__setattr__(self, "heads", settings())
+        elif not isinstance(self.heads, settings):
+            raise TypeError(f"the {self.recipe} recipe takes heads settings of type {settings.__name__}, "
+                            f"got {type(self.heads).__name__}")
+        if self.output_dir is None:
+            object.__setattr__(self, "output_dir", f"runs/{self.recipe}")
         if self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.report_to not in ("none", "wandb"):
@@ -109,9 +93,15 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.heads.aux_layers and self.recipe != "eagle":
-            raise ValueError("heads.aux_layers is an EAGLE setting; remove it for the medusa recipe")
 
 
 def load_train_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
-    return load_config(TrainConfig, path, overrides)
+    """YAML + overrides -> TrainConfig; the `heads:` section is built with the named recipe's own settings class."""
+    data = read_config_data(path, overrides)
+    if data.get("recipe") is None:  # unknown keys are reported first, then the missing recipe
+        return build(TrainConfig, {k: v for k, v in data.items() if k != "heads"})
+    settings = OBJECTIVES.get(str(data["recipe"])).settings
+    heads = data.get("heads") or {}
+    if not isinstance(heads, dict):
+        raise ValueError(f"config key 'heads' must be a section (mapping), got {heads!r}")
+    return build(TrainConfig, {**data, "heads": build(settings, heads, prefix="heads.")})

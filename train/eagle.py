@@ -8,27 +8,55 @@ errors of earlier ones instead of only ever seeing the target's perfect features
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 from transformers import DynamicCache
 
-from specheads.heads.eagle import EagleConfig, EagleHead
-from specheads.train.config import TrainConfig
+from specheads.heads.eagle import KIND_NAME, EagleConfig, EagleHead
 from specheads.train.features import batch_features, last_layer
+from specheads.train.objective import Objective, register_objective
 
 EVAL_STEPS = 4  # draft steps evaluated (chain depth of the simulated acceptance length)
 EVAL_TOPK = 5
 
 
-def build_eagle(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int] | None = None) -> EagleHead:
+@dataclass(frozen=True)
+class EagleHeadsConfig:
+    """The `heads:` section of an eagle recipe: the head's shape and the objective's weights."""
+
+    num_layers: int = 1  # decoder layers in the head
+    init_from_target_layer: int | None = None  # copy this target layer into the head (None: random init, learns faster)
+    aux_layers: tuple[int, ...] = ()  # target hidden_states also fed to the head (EAGLE-3: 2, L//2, L-3); () = EAGLE-1
+    cls_weight: float = 0.1  # weight of the soft cross-entropy next to the feature SmoothL1 loss
+    reg_weight: float = 1.0  # weight of the feature SmoothL1 loss (EAGLE-3 drops it: 0 with cls_weight 1)
+    feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
+    ttt_steps: int = 1  # draft steps unrolled in training, each fed the previous step's outputs (1 = EAGLE-1)
+    ttt_decay: float = 0.8  # loss weight of unrolled step k is ttt_decay**k
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"heads.num_layers must be >= 1, got {self.num_layers}")
+        if self.ttt_steps < 1:
+            raise ValueError(f"heads.ttt_steps must be >= 1 (1 trains plain EAGLE-1), got {self.ttt_steps}")
+        if self.cls_weight < 0 or self.reg_weight < 0 or self.cls_weight + self.reg_weight == 0:
+            raise ValueError("heads.cls_weight and heads.reg_weight must be >= 0, and not both 0")
+        if not 0.0 < self.ttt_decay <= 1.0:
+            raise ValueError(f"heads.ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        if self.feature_noise < 0:
+            raise ValueError(f"heads.feature_noise must be >= 0, got {self.feature_noise}")
+
+
+def build_eagle(settings: EagleHeadsConfig, target: torch.nn.Module, draft_vocab: list[int] | None = None) -> EagleHead:
     tcfg = target.config.get_text_config()
     vocab = target.get_output_embeddings().weight.shape[0]
     # The draft LM head scores only the draft vocabulary at inference, so training spends its CE there too.
-    head_cfg = EagleConfig(hidden_size=tcfg.hidden_size, vocab_size=vocab, num_layers=cfg.heads.eagle_layers,
-                           init_from_target_layer=cfg.heads.init_from_target_layer,
+    head_cfg = EagleConfig(hidden_size=tcfg.hidden_size, vocab_size=vocab, num_layers=settings.num_layers,
+                           init_from_target_layer=settings.init_from_target_layer,
                            draft_vocab=None if draft_vocab is None else tuple(draft_vocab),
-                           aux_layers=cfg.heads.aux_layers)
+                           aux_layers=settings.aux_layers)
     return EagleHead(head_cfg, target)
 
 
@@ -84,7 +112,7 @@ def _valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction 
 
 
 def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+                    settings: EagleHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """1. Target features (no grad). 2. Noisy features in, predicted next features out, for each TTT step.
     3. Per step: reg_weight x SmoothL1 on features + cls_weight x soft CE against the target's distribution over the
        draft vocabulary, on the positions that count; step k weighs ttt_decay**k."""
@@ -92,9 +120,9 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
     features = batch_features(target, batch, model.config.aux_layers)  # [B, T, D]
     tokens, feats, positions, counts = _inputs(batch, features)
     last = last_layer(features, model.config.hidden_size)  # [B, T, H]: F, what the head predicts
-    if cfg.heads.feature_noise > 0:
-        feats = feats + (torch.rand_like(feats) - 0.5) * 2 * cfg.heads.feature_noise
-    outs = unroll(head, tokens, feats, positions, cfg.heads.ttt_steps)
+    if settings.feature_noise > 0:
+        feats = feats + (torch.rand_like(feats) - 0.5) * 2 * settings.feature_noise
+    outs = unroll(head, tokens, feats, positions, settings.ttt_steps)
     weight = model.draft_weight()  # [Vd, H]
     wanted = last[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
     with torch.no_grad():  # so the target's distribution is computed once for all steps
@@ -108,8 +136,8 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
         reg = F.smooth_l1_loss(got, want.to(got.dtype))
         logits = (got @ weight.T).float()  # [M, Vd]
         ce = -(target_p * logits.log_softmax(-1)).sum(-1).mean()
-        w = cfg.heads.ttt_decay ** k
-        total = total + w * (cfg.heads.reg_weight * reg + cfg.heads.cls_weight * ce)
+        w = settings.ttt_decay ** k
+        total = total + w * (settings.reg_weight * reg + settings.cls_weight * ce)
         norm += w
         with torch.no_grad():
             top1 = (logits.argmax(-1) == target_p.argmax(-1)).float().mean()
@@ -156,3 +184,9 @@ def eagle_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], Non
     row |= {f"eval/top{EVAL_TOPK}_step{i + 1}": float(x) for i, x in enumerate(sums["correct_topk"] / pos)}
     row["eval/simulated_tau_chain"] = 1.0 + float(sums["accepted"][0] / sums["starts"][0].clamp(min=1))
     return row, None
+
+
+register_objective(Objective(
+    name=KIND_NAME, kind=KIND_NAME, settings=EagleHeadsConfig, build=build_eagle, step_loss=eagle_step_loss,
+    eval_sums=eagle_eval, eval_row=eagle_eval_row, feature_layers=lambda settings: settings.aux_layers,
+))

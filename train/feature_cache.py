@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from specheads.heads.eagle import feature_width
+from specheads.features import feature_width
 from specheads.train.data import collate
 from specheads.train.features import target_features
 

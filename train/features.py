@@ -1,8 +1,8 @@
 """Target features for drafter training: the frozen target's hidden states, computed online inside
 the training step (no grad) or read from the offline cache.
 
-A feature row is cat(aux layers..., last layer) (`specheads.heads.eagle.feature_rows`, the layout
-the EAGLE proposer reads at decode time); the last H columns are always the last hidden state after
+A feature row is cat(aux layers..., last layer) (`specheads.features.feature_rows`, the layout
+proposers read at decode time); the last H columns are always the last hidden state after
 the final norm (what the LM head reads), so every objective finds it in the same place.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specheads.heads.eagle import feature_rows, feature_width
+from specheads.features import feature_rows, feature_width
 from specheads.hf import decoder_of
 
 

@@ -2,19 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from accelerate.utils import extract_model_from_parallel
 
-from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
-from specheads.train.config import TrainConfig
+from specheads.heads.medusa import KIND_NAME, MedusaConfig, MedusaHeads, medusa_loss
 from specheads.train.features import batch_features
+from specheads.train.objective import Objective, register_objective
+from specheads.trees import build_static_tree
 
 EVAL_TOPK = 10  # choices per head whose accuracy is measured (the static tree is built from them)
+TREE_NODES = 16  # verify budget of the static tree stored with the heads (CPU-friendly)
 
 
-def build_medusa(cfg: TrainConfig, target: torch.nn.Module, draft_vocab: list[int] | None = None) -> MedusaHeads:
-    config = MedusaConfig.for_target(target, num_heads=cfg.heads.medusa_heads, num_layers=cfg.heads.medusa_layers,
-                                     own_lm_head=cfg.heads.own_lm_head,
+@dataclass(frozen=True)
+class MedusaHeadsConfig:
+    """The `heads:` section of a medusa recipe."""
+
+    num_heads: int = 4  # K: head k guesses the token k + 2 positions ahead
+    num_layers: int = 1  # residual blocks per head
+    decay: float = 0.8  # head k's loss weight is decay**k
+    own_lm_head: bool = False  # train an LM head per head (initialised from the target's) instead of sharing it
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError(f"heads.num_heads and heads.num_layers must be >= 1, got {self.num_heads}, {self.num_layers}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"heads.decay must be in (0, 1], got {self.decay}")
+
+
+def build_medusa(settings: MedusaHeadsConfig, target: torch.nn.Module,
+                 draft_vocab: list[int] | None = None) -> MedusaHeads:
+    config = MedusaConfig.for_target(target, num_heads=settings.num_heads, num_layers=settings.num_layers,
+                                     own_lm_head=settings.own_lm_head,
                                      draft_vocab=None if draft_vocab is None else tuple(draft_vocab))
     return MedusaHeads(config, target.get_output_embeddings())
 
@@ -33,11 +54,11 @@ def _features_and_labels(target: torch.nn.Module, batch: dict[str, torch.Tensor]
 
 
 def medusa_step_loss(heads: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
-                     cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+                     settings: MedusaHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
     features, labels = _features_and_labels(target, batch)
     mask = batch["loss_mask"] * batch["attention_mask"]
     draft_ids = extract_model_from_parallel(heads).draft_ids  # DDP hides the heads' own attributes
-    loss, accs = medusa_loss(heads(features), labels, mask, decay=cfg.heads.medusa_decay, draft_ids=draft_ids)
+    loss, accs = medusa_loss(heads(features), labels, mask, decay=settings.decay, draft_ids=draft_ids)
     return loss, {f"top1_head{k}": a for k, a in enumerate(accs)} | {"top1": accs[0]}
 
 
@@ -74,3 +95,14 @@ def medusa_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], li
         tau += run
     row["eval/simulated_tau_chain"] = tau
     return row, acc
+
+
+def with_measured_tree(heads: MedusaHeads, accuracies: list[list[float]]) -> MedusaConfig:
+    """The heads' config with the static tree that maximises expected acceptance under the measured accuracies."""
+    return replace(heads.config, tree=build_static_tree(accuracies, TREE_NODES))
+
+
+register_objective(Objective(
+    name=KIND_NAME, kind=KIND_NAME, settings=MedusaHeadsConfig, build=build_medusa, step_loss=medusa_step_loss,
+    eval_sums=medusa_eval, eval_row=medusa_eval_row, final_config=with_measured_tree,
+))

@@ -14,8 +14,6 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,9 +25,9 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from specheads.config import save_config, to_dict
-from specheads.heads.checkpoint import TargetInfo, load_heads
+from specheads.heads.checkpoint import TargetInfo, read_checkpoint, save_drafter
 from specheads.inference.bench import measure
-from specheads.inference.methods import MethodOptions, make_proposer
+from specheads.inference.methods import METHODS
 from specheads.target import load_target, stop_token_ids
 from specheads.train.config import TrainConfig
 from specheads.train.data import (
@@ -39,10 +37,8 @@ from specheads.train.data import (
     split_by_conversation,
     tokenize_dataset,
 )
-from specheads.train.eagle import build_eagle, eagle_eval, eagle_eval_row, eagle_step_loss
 from specheads.train.feature_cache import FeatureCache, collate_with_features, write_feature_cache
-from specheads.train.medusa import build_medusa, medusa_eval, medusa_eval_row, medusa_step_loss
-from specheads.trees import build_static_tree
+from specheads.train.objective import OBJECTIVES, Objective
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +63,15 @@ def _mixed_precision(cfg: TrainConfig) -> str:
     return "bf16" if cpu_has_native_bf16() else "no"
 
 
-def _offline_collates(cfg: TrainConfig, accelerator: Accelerator, target, train_ds, eval_ds, pad: int):
+def _offline_collates(cfg: TrainConfig, objective: Objective, accelerator: Accelerator, target, train_ds, eval_ds,
+                      pad: int):
     """Build (once, on the main process) and open the feature caches; collates that read from them."""
     root = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
     with accelerator.main_process_first(), accelerator.autocast():
         if accelerator.is_main_process:
             for name, ds in (("train", train_ds), ("eval", eval_ds)):
                 write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target, dtype=cfg.feature_dtype,
-                                    aux_layers=cfg.heads.aux_layers)
+                                    aux_layers=objective.feature_layers(cfg.heads))
     train_cache, eval_cache = FeatureCache(root / "train"), FeatureCache(root / "eval")
     return (lambda ex: collate_with_features(ex, pad, train_cache)), (lambda ex: collate_with_features(ex, pad, eval_cache))
 
@@ -112,13 +109,14 @@ def draft_vocabulary(train_ds, size: int | None, vocab: int) -> list[int] | None
     return sorted(ranked)
 
 
-def init_from_heads(head: torch.nn.Module, path: str, recipe: str, target: torch.nn.Module, target_name: str) -> None:
+def init_from_heads(head: torch.nn.Module, path: str, kind: str, target: torch.nn.Module, target_name: str) -> None:
     """Load saved heads' weights into a freshly built head of the same shape (the draft vocabulary may differ:
     it is rebuilt from this run's data and is not a weight)."""
-    head_type, _, info, state = load_heads(path)
-    if head_type != recipe:
-        raise ValueError(f"init_heads={path} holds {head_type} heads; the {recipe} recipe can only start from {recipe} heads")
-    info.check_compatible(target, target_name, checkpoint=path)
+    ckpt = read_checkpoint(path)
+    if ckpt.head_type != kind:
+        raise ValueError(f"init_heads={path} holds {ckpt.head_type} heads; this recipe can only start from {kind} heads")
+    ckpt.target.check_compatible(target, target_name, checkpoint=path)
+    state = ckpt.state
     trainable = {n for n, p in head.named_parameters() if p.requires_grad}
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
@@ -129,29 +127,12 @@ def init_from_heads(head: torch.nn.Module, path: str, recipe: str, target: torch
         raise ValueError(f"init_heads={path} does not fit the heads this config builds (missing "
                          f"{sorted(trainable & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]}); "
                          "use the heads settings it was trained with")
-    log.info("initialised the %s heads from %s", recipe, path)
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What differs between recipes; the loop below is shared."""
-
-    build: Callable  # (cfg, target, draft_vocab) -> nn.Module
-    step_loss: Callable  # (module, target, batch, cfg) -> (loss, {metric: float})
-    eval_sums: Callable  # (module, target, batch) -> {name: Tensor} summed over batches and processes
-    eval_row: Callable  # (sums) -> ({metric: float}, extra saved with the heads)
-
-
-OBJECTIVES = {
-    "eagle": Objective(build_eagle, eagle_step_loss, eagle_eval, eagle_eval_row),
-    "medusa": Objective(build_medusa, medusa_step_loss, medusa_eval, medusa_eval_row),
-}
-
-MEDUSA_TREE_NODES = 16  # verify budget of the static tree stored with Medusa heads (CPU-friendly)
+    log.info("initialised the %s heads from %s", kind, path)
 
 
 def train(cfg: TrainConfig) -> Path:
     """Train heads per `cfg`; returns the folder of the final heads."""
+    objective = OBJECTIVES.get(cfg.recipe)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.optim.grad_accum,
         mixed_precision=_mixed_precision(cfg),
@@ -180,7 +161,7 @@ def train(cfg: TrainConfig) -> Path:
     pad = pad_token_id(tokenizer)
     train_collate, eval_collate = (lambda ex: collate(ex, pad)), (lambda ex: collate(ex, pad))
     if cfg.features == "offline":
-        train_collate, eval_collate = _offline_collates(cfg, accelerator, target, train_ds, eval_ds, pad)
+        train_collate, eval_collate = _offline_collates(cfg, objective, accelerator, target, train_ds, eval_ds, pad)
     columns = ["input_ids", "loss_mask", "row"]
     train_ds = train_ds.add_column("row", list(range(len(train_ds))))
     eval_ds = eval_ds.add_column("row", list(range(len(eval_ds))))
@@ -188,12 +169,11 @@ def train(cfg: TrainConfig) -> Path:
                         collate_fn=train_collate, generator=torch.Generator().manual_seed(cfg.seed))
     eval_loader = DataLoader(eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size, collate_fn=eval_collate)
 
-    objective = OBJECTIVES[cfg.recipe]
     vocab_size = target.get_output_embeddings().weight.shape[0]
     draft_vocab = draft_vocabulary(train_ds, cfg.draft_vocab_size, vocab_size)
-    head = objective.build(cfg, target, draft_vocab)
+    head = objective.build(cfg.heads, target, draft_vocab)
     if cfg.init_heads and resume_from is None:
-        init_from_heads(head, cfg.init_heads, cfg.recipe, target, cfg.target)
+        init_from_heads(head, cfg.init_heads, objective.kind, target, cfg.target)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
@@ -248,7 +228,7 @@ def train(cfg: TrainConfig) -> Path:
         batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
         for batch in batches:
             with accelerator.accumulate(head), accelerator.autocast():  # the target's features too
-                loss, stats = objective.step_loss(head, target, batch, cfg)
+                loss, stats = objective.step_loss(head, target, batch, cfg.heads)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
@@ -283,14 +263,11 @@ def train(cfg: TrainConfig) -> Path:
         emit({"step": step, **evaluate()})
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(head)
-        info = TargetInfo.from_model(target, cfg.target)
-        if cfg.recipe == "medusa":
-            model.save_pretrained(final, info, tree=build_static_tree(last_eval_extra[0], MEDUSA_TREE_NODES))
-        else:
-            model.save_pretrained(final, info, extra={"eval": _last_eval(out)})
+        save_drafter(final, model, TargetInfo.from_model(target, cfg.target),
+                     config=objective.final_config(model, last_eval_extra[0]), metadata={"eval": _last_eval(out)})
         log.info("saved heads to %s", final)
         if cfg.measure_prompts:
-            emit({"step": step, **measured_tau(cfg, target, tokenizer, eval_ds, final)})
+            emit({"step": step, **measured_tau(cfg, objective, target, tokenizer, eval_ds, final)})
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if metrics_file is not None:
@@ -310,15 +287,15 @@ def held_out_prompts(eval_ds, n: int) -> list[list[int]]:
     return prompts
 
 
-def measured_tau(cfg: TrainConfig, target, tokenizer, eval_ds, heads_dir: Path) -> dict[str, float]:
+def measured_tau(cfg: TrainConfig, objective: Objective, target, tokenizer, eval_ds, heads_dir: Path) -> dict[str, float]:
     """τ of the saved heads decoding held-out prompts, through the same loader and runner as `specheads bench`."""
-    # The heads alone (no prompt lookup grafted on): this measures what training changed.
-    proposer = make_proposer(cfg.recipe, target, MethodOptions(heads=str(heads_dir), lookup=0), load_draft=None)
+    method = METHODS.get(objective.kind)  # the kind's decoding method carries its name
+    proposer = method.build(target, method.heads_alone(str(heads_dir)), None)
     prompts = held_out_prompts(eval_ds, cfg.measure_prompts)
     if not prompts:
         return {}
     summary = measure(target, proposer, prompts, max_new_tokens=cfg.measure_max_new_tokens,
-                      stop_token_ids=stop_token_ids(tokenizer, target), name=cfg.recipe)
+                      stop_token_ids=stop_token_ids(tokenizer, target), name=objective.kind)
     return {"eval/measured_tau": summary.tau, "eval/measured_acceptance_rate": summary.acceptance_rate or 0.0,
             "eval/measured_prompts": len(prompts)}
 

@@ -1,5 +1,10 @@
-"""Proposers: everything that drafts tokens, behind one `propose` signature."""
+"""Proposers: everything that drafts tokens, behind one `propose` signature.
 
+Importing this package registers the built-in decoding methods (`specheads.inference.methods.METHODS`),
+one import per proposer module; each module registers its own method.
+"""
+
+from specheads.inference.proposers import base, draft_model, eagle, medusa, ngram  # noqa: F401  (register methods)
 from specheads.inference.proposers.base import AutoregressiveProposer, ProposalContext, Proposer
 
 __all__ = ["AutoregressiveProposer", "ProposalContext", "Proposer"]

@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specheads.inference.methods import Method, NoOptions, register_method
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -56,3 +57,9 @@ class AutoregressiveProposer:
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         pass
+
+
+register_method(Method(
+    name="ar", summary="plain autoregressive decoding in the same engine (the baseline speculation is measured against)",
+    options=NoOptions, build=lambda target, options, load_draft: AutoregressiveProposer(),
+))

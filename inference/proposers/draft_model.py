@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specheads.inference.cache import TreeKVCache, cache_kwargs
+from specheads.inference.methods import DraftLoader, Method, option, register_method
 from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -167,3 +168,47 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
     assert not unexpected and all("rotary" in k or k.endswith("lm_head.weight") for k in missing), (missing, unexpected)
     return draft.to(next(target.parameters()).device).eval().requires_grad_(False)
+
+
+def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer) -> None:
+    """A draft must map token ids to the same strings as the target, or its guesses mean nothing."""
+    if vocab_size(draft) != vocab_size(target):
+        raise ValueError(
+            f"the draft model's vocabulary has {vocab_size(draft)} tokens but the target's has {vocab_size(target)}; "
+            "use a draft model from the target's family (same tokenizer)"
+        )
+    if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "
+                         "use a draft model from the target's family")
+
+
+EARLY_EXIT = "early-exit:"
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    draft: str | None = option("draft model (HF id or folder) with the target's vocabulary, or early-exit:N "
+                               "(the target's first N layers)")
+    depth: int | None = option(f"draft tokens per branch (default {DraftConfig.depth})")
+    width: int | None = option(f"branches at the root (default {DraftConfig.width}: a chain)")
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and self.draft.startswith(EARLY_EXIT) and not self.draft[len(EARLY_EXIT):].isdigit():
+            raise ValueError(f"--draft {self.draft}: N must be a layer count, e.g. early-exit:8")
+
+
+def _build(target: PreTrainedModel, options: DraftOptions, load_draft: DraftLoader | None) -> DraftModelProposer:
+    if options.draft.startswith(EARLY_EXIT):
+        model = early_exit_model(target, int(options.draft[len(EARLY_EXIT):]))
+    else:
+        if load_draft is None:
+            raise ValueError("method 'draft' needs a draft model loader to load " + options.draft)
+        model = load_draft(options.draft)
+    cfg = DraftConfig(depth=options.depth or DraftConfig.depth, width=options.width or DraftConfig.width)
+    return DraftModelProposer(model, cfg, target_vocab_size=vocab_size(target))
+
+
+register_method(Method(
+    name="draft", summary="a smaller causal LM (or the target's first N layers) drafts a chain or a top-k tree",
+    options=DraftOptions, build=_build, arg="draft", arg_hint="PATH (a causal LM with the target's vocabulary) or early-exit:N",
+))

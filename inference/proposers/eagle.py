@@ -26,10 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.heads.eagle import EagleHead
+from specheads.heads.checkpoint import load_drafter
+from specheads.heads.eagle import KIND_NAME, EagleHead
 from specheads.inference.cache import TreeKVCache
 from specheads.inference.context_vocab import ContextVocabulary
-from specheads.inference.proposers.base import ProposalContext
+from specheads.inference.methods import Method, option, register_method
+from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.proposers.lookup import HeadsOptions, with_lookup
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 
@@ -206,3 +209,34 @@ def _block_causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.de
     future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
     mask[0, 0, :, prefix:].masked_fill_(future, torch.finfo(dtype).min)
     return mask
+
+
+@dataclass(frozen=True, kw_only=True)
+class EagleOptions(HeadsOptions):
+    tree: str | None = option(f"named tree: {', '.join(EAGLE_TREES)} (default cpu: depth 5, top-4, 12 nodes; wide 6/8/32; "
+                              "eagle2 6/10/60); --depth/--topk/--total-tokens override its fields")
+    depth: int | None = option("draft levels")
+    topk: int | None = option("children per expanded node")
+    total_tokens: int | None = option("tree size including the root")
+    min_expected_accepted: float | None = option("take a plain step when the draft expects fewer accepted tokens "
+                                                 "(CPU: try 0.7)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        eagle_tree(self.tree)  # a bad name fails before anything loads
+
+
+def _build(target, options: EagleOptions, load_draft) -> Proposer:
+    base = eagle_tree(options.tree)
+    head = load_drafter(options.heads, target, kind=KIND_NAME)
+    tree = EagleTreeConfig(depth=options.depth or base.depth, topk=options.topk or base.topk,
+                           total_tokens=options.total_tokens or base.total_tokens,
+                           min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
+                           else options.min_expected_accepted)
+    return with_lookup(EagleProposer(head, tree), options.lookup)
+
+
+register_method(Method(
+    name=KIND_NAME, summary="EAGLE heads drafting an EAGLE-2 dynamic tree, prompt lookup grafted on",
+    options=EagleOptions, build=_build, arg="heads", arg_hint="DIR", trees=EAGLE_TREES,
+))

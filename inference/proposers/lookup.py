@@ -14,8 +14,11 @@ for greedy and sampling alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
+from specheads.inference.methods import option
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.ngram import NgramConfig, find_continuations
 from specheads.inference.tree import DraftTree
@@ -46,3 +49,25 @@ class WithPromptLookup:
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self.inner.on_verified(result, target_hidden)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsOptions:
+    """Options every method drafting from trained heads takes; a kind's options extend these."""
+
+    heads: str | None = option("trained heads folder (a training run's final/)")
+    lookup: int | None = option(f"prompt-lookup continuations grafted onto the heads' tree (default "
+                                f"{DEFAULT_LOOKUP.num_candidates}; 0 = the heads alone)")
+
+    def __post_init__(self) -> None:
+        if self.lookup is not None and self.lookup < 0:
+            raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
+                             f"off), got {self.lookup}")
+
+
+def with_lookup(proposer: Proposer, num_candidates: int | None) -> Proposer:
+    """`proposer` with DEFAULT_LOOKUP grafted on (None), `num_candidates` continuations, or nothing (0)."""
+    n = DEFAULT_LOOKUP.num_candidates if num_candidates is None else num_candidates
+    if n == 0:
+        return proposer
+    return WithPromptLookup(proposer, replace(DEFAULT_LOOKUP, num_candidates=n, max_nodes=n * DEFAULT_LOOKUP.depth))

@@ -12,18 +12,37 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from specheads.heads.medusa import MedusaHeads
-from specheads.inference.proposers.base import ProposalContext
+from specheads.heads.checkpoint import load_drafter
+from specheads.heads.medusa import KIND_NAME, MedusaHeads
+from specheads.inference.methods import Method, option, register_method
+from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.proposers.lookup import HeadsOptions, with_lookup
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.trees import prune_depth, resolve_tree, tree_depth, validate_tree
+from specheads.trees import (
+    TYPICAL_ACCURACIES,
+    Tree,
+    build_static_tree,
+    prune_depth,
+    resolve_tree,
+    tree_depth,
+    validate_tree,
+)
 
 log = logging.getLogger(__name__)
 
+# Named static trees (`--tree NAME`, `medusa:DIR@NAME` in bench); heads store the tree measured in training.
+MEDUSA_TREES: dict[str, Tree] = {
+    "chain-4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
+    "medusa-16": build_static_tree(TYPICAL_ACCURACIES, 16),
+    "medusa-32": build_static_tree(TYPICAL_ACCURACIES, 32),
+    "medusa-63": build_static_tree(TYPICAL_ACCURACIES, 63),
+}
 DEFAULT_TREE = "medusa-16"
 
 
@@ -103,20 +122,45 @@ def load_medusa_proposer(path: str | os.PathLike, target_model: nn.Module, tree:
                          max_depth: int | None = None) -> MedusaProposer:
     """Medusa heads from a checkpoint folder, drafting `tree` (a preset name or YAML/JSON file).
 
-    Without `tree`, the checkpoint's stored tree is used, else the "medusa-16" preset, pruned to
+    Without `tree`, the checkpoint's stored tree is used, else the DEFAULT_TREE preset, pruned to
     the checkpoint's head count if it has fewer heads than the preset is deep. `max_depth`
     (e.g. from --depth) prunes whichever tree is chosen.
     """
     if max_depth is not None and max_depth < 1:
         raise ValueError(f"the medusa tree depth must be >= 1, got {max_depth}")
-    heads = MedusaHeads.from_pretrained(path, target_model)
+    heads = load_drafter(path, target_model, kind=KIND_NAME)
     if tree is not None:
-        paths = resolve_tree(tree)
-    elif heads.tree is not None:
-        paths = heads.tree
+        paths = resolve_tree(tree, MEDUSA_TREES)
+    elif heads.config.tree is not None:
+        paths = [list(p) for p in heads.config.tree]
     else:
-        paths = prune_depth(resolve_tree(DEFAULT_TREE), heads.num_heads)
+        paths = prune_depth(MEDUSA_TREES[DEFAULT_TREE], heads.num_heads)
         log.info("heads in %s store no tree; using %s (%d nodes)", path, DEFAULT_TREE, len(paths))
     if max_depth is not None:
         paths = prune_depth(paths, max_depth)
     return MedusaProposer(heads, paths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MedusaOptions(HeadsOptions):
+    tree: str | None = option(f"preset ({', '.join(MEDUSA_TREES)}) or a YAML/JSON file of paths (default: the "
+                              f"tree stored with the heads, else {DEFAULT_TREE})")
+    depth: int | None = option("prune the tree to this many levels")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tree is not None:
+            resolve_tree(self.tree, MEDUSA_TREES)  # a bad name or file fails before anything loads
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"the medusa tree depth must be >= 1, got {self.depth}")
+
+
+def _build(target, options: MedusaOptions, load_draft) -> Proposer:
+    proposer = load_medusa_proposer(options.heads, target, tree=options.tree, max_depth=options.depth)
+    return with_lookup(proposer, options.lookup)
+
+
+register_method(Method(
+    name=KIND_NAME, summary="Medusa heads drafting a static top-k tree, prompt lookup grafted on",
+    options=MedusaOptions, build=_build, arg="heads", arg_hint="DIR", trees=MEDUSA_TREES,
+))

@@ -10,10 +10,11 @@ for an empty guess.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from specheads.inference.methods import Method, option, register_method
 from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -85,3 +86,20 @@ class NgramProposer:
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    depth: int | None = option("tokens per continuation (default 5)")
+    width: int | None = option("continuations merged into the tree (default 3)")
+
+
+def _build(target, options: NgramOptions, load_draft) -> NgramProposer:
+    given = {"depth": options.depth, "num_candidates": options.width}
+    return NgramProposer(replace(NgramConfig(), **{k: v for k, v in given.items() if v is not None}))
+
+
+register_method(Method(
+    name="ngram", summary="prompt lookup: continuations of the context's last n-gram, verified as one tree",
+    options=NgramOptions, build=_build,
+))

@@ -1,6 +1,9 @@
-"""Drafter heads that sit on the frozen target's hidden states, and their shared checkpoint format."""
+"""Drafter heads that sit on the frozen target's hidden states, and their shared checkpoint format.
 
-from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
-from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
+Importing this package registers the built-in drafter kinds (`specheads.kinds.KINDS`): one import per kind.
+"""
 
-__all__ = ["MedusaConfig", "MedusaHeads", "TargetInfo", "load_heads", "medusa_loss", "save_heads"]
+from specheads.heads import eagle, medusa  # noqa: F401  (each module registers its kind)
+from specheads.heads.checkpoint import TargetInfo, load_drafter, read_checkpoint, save_drafter
+
+__all__ = ["TargetInfo", "load_drafter", "read_checkpoint", "save_drafter"]

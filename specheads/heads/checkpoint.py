@@ -1,10 +1,17 @@
-"""The checkpoint format shared by every head type (Medusa, EAGLE): one folder, two files.
+"""The checkpoint format shared by every drafter kind: one folder, two files.
 
-    DIR/config.json        {"head_type", "config", "target", "format_version"}
+    DIR/config.json        {"head_type", "format_version", "config", "target", "metadata"}
     DIR/model.safetensors  the heads' own weights (frozen target weights they share are left out)
 
-`target` records which target the heads were trained for, so loading them onto a
-different target fails with a clear message instead of producing garbage drafts.
+`head_type` names the drafter kind (`specheads.kinds`), `config` holds exactly the fields of that
+kind's config class, `target` records which target the heads were trained for (so loading them
+onto a different target fails with a clear message instead of producing garbage drafts), and
+`metadata` is informational (e.g. the last evaluation of the training run); no loader reads it.
+
+`save_drafter` / `load_drafter` are the one way in and out for every kind. The loader is strict:
+unknown config keys, missing or unexpected tensors and shape mismatches are refused by name.
+Format 1 (before `metadata`) kept the training run's last evaluation as `config["eval"]`; it is
+read as metadata, so version-1 checkpoints still load.
 """
 
 from __future__ import annotations
@@ -15,18 +22,25 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specheads.config import build as build_config
+from specheads.config import to_dict
+from specheads.kinds import KINDS, kind_of
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 _REQUIRED_KEYS = ("head_type", "config", "target", "format_version")
+_V1_METADATA_KEYS = ("eval",)  # format 1 stored these inside `config`
 
 
 @dataclass(frozen=True)
@@ -87,7 +101,7 @@ def _atomic_write(folder: Path, final_name: str, write) -> Path:
 
 
 def save_heads(path: str | os.PathLike, module: nn.Module, *, head_type: str, config: dict, target: TargetInfo,
-               exclude_prefixes: tuple[str, ...] = ()) -> None:
+               exclude_prefixes: tuple[str, ...] = (), metadata: dict | None = None) -> None:
     """Write `module`'s weights and config to the folder `path` (created if needed).
 
     1. Collect the state dict minus keys under `exclude_prefixes` (e.g. a shared frozen target LM head).
@@ -102,7 +116,8 @@ def save_heads(path: str | os.PathLike, module: nn.Module, *, head_type: str, co
              if not k.startswith(tuple(exclude_prefixes))}
     if not state:
         raise ValueError(f"nothing to save for {head_type} heads: every weight matches exclude_prefixes={exclude_prefixes}")
-    meta = {"head_type": head_type, "config": config, "target": asdict(target), "format_version": FORMAT_VERSION}
+    meta = {"head_type": head_type, "format_version": FORMAT_VERSION, "config": config, "target": asdict(target),
+            "metadata": dict(metadata or {})}
     text = json.dumps(meta, indent=2) + "\n"  # serialise first: a non-JSON config fails before any file is touched
 
     def write_json(tmp: str) -> None:
@@ -119,8 +134,20 @@ def save_heads(path: str | os.PathLike, module: nn.Module, *, head_type: str, co
     log.info("saved %s heads (%d tensors) to %s", head_type, len(state), folder)
 
 
-def load_heads(path: str | os.PathLike) -> tuple[str, dict, TargetInfo, dict[str, torch.Tensor]]:
-    """Read a checkpoint folder: (head_type, config, target, state dict on CPU); ValueError naming the fix."""
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder as read from disk, before any module is built."""
+
+    path: Path
+    head_type: str
+    config: dict
+    target: TargetInfo
+    state: dict[str, torch.Tensor]  # on CPU
+    metadata: dict
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint folder (any kind, format 1 or 2); ValueError naming the fix when it is not one."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"heads checkpoint {folder} does not exist or is not a folder; pass the folder that "
@@ -136,11 +163,17 @@ def load_heads(path: str | os.PathLike) -> tuple[str, dict, TargetInfo, dict[str
     if not isinstance(meta, dict) or any(k not in meta for k in _REQUIRED_KEYS):
         missing = [k for k in _REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
         raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} lacks {missing}; re-export or re-train it")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {folder} has format_version {meta['format_version']}, this specheads reads "
-                         f"version {FORMAT_VERSION}: upgrade specheads or re-export the checkpoint")
+    version = meta["format_version"]
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"checkpoint {folder} has format_version {version}, this specheads reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade specheads or re-export the checkpoint")
     if not isinstance(meta["config"], dict):
         raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} 'config' must be an object; re-export or re-train it")
+    config, metadata = dict(meta["config"]), meta.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} 'metadata' must be an object; re-export or re-train it")
+    if version == 1:
+        metadata = {**{k: config.pop(k) for k in _V1_METADATA_KEYS if k in config}, **metadata}
     target = TargetInfo.from_dict(meta["target"], checkpoint=folder)
     weights_file = folder / WEIGHTS_NAME
     if not weights_file.is_file():
@@ -150,4 +183,60 @@ def load_heads(path: str | os.PathLike) -> tuple[str, dict, TargetInfo, dict[str
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise ValueError(f"checkpoint {folder} is corrupt or truncated ({WEIGHTS_NAME}: {err}); "
                          "re-export or re-train it") from err
-    return str(meta["head_type"]), meta["config"], target, state
+    return Checkpoint(folder, str(meta["head_type"]), config, target, state, metadata)
+
+
+def save_drafter(path: str | os.PathLike, module: nn.Module, target: TargetInfo, *, config: Any = None,
+                 metadata: dict | None = None) -> None:
+    """Save a drafter of any registered kind: its config (`config`, default `module.config`), its own weights
+    (not the target's shared ones) and informational `metadata`."""
+    kind = kind_of(module)
+    config = module.config if config is None else config
+    if not isinstance(config, kind.config):
+        raise TypeError(f"{kind.name} heads save a {kind.config.__name__}, got {type(config).__name__}")
+    save_heads(path, module, head_type=kind.name, config=to_dict(config), target=target,
+               exclude_prefixes=kind.shared_prefixes, metadata=metadata)
+
+
+def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str | None = None,
+                 target_name: str | None = None) -> nn.Module:
+    """The drafter saved in `path`, built for `target_model` on its device, in eval mode.
+
+    1. Read the folder; the kind is its `head_type` (when `kind` is given, it must match).
+    2. Check the target has the sizes the heads were trained for.
+    3. Build the kind's config strictly: an unknown key is refused with the nearest known one.
+    4. Build the module and compare its state dict (minus the target's shared weights) with the file:
+       missing or unexpected tensors and shape mismatches are refused by name, with both shapes.
+    5. Load the weights (cast to the module's dtype) and move the module to the target's device.
+    """
+    ckpt = read_checkpoint(path)
+    if ckpt.head_type not in KINDS:
+        raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.head_type!r} heads, a kind this specheads does not know "
+                         f"({', '.join(KINDS.names())}); upgrade specheads or use a checkpoint of a known kind")
+    if kind is not None and ckpt.head_type != kind:
+        raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.head_type!r} heads, not {kind} heads; "
+                         f"use the method that matches it (--method {ckpt.head_type})")
+    spec = KINDS.get(ckpt.head_type)
+    ckpt.target.check_compatible(target_model, target_name, checkpoint=ckpt.path)
+    try:
+        config = build_config(spec.config, ckpt.config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {ckpt.path}: bad {spec.name} config ({err}); re-export or re-train it") from None
+    module = spec.build(config, target_model)
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if not k.startswith(spec.shared_prefixes)}
+    check_state(ckpt.state, expected, f"checkpoint {ckpt.path}")
+    module.load_state_dict(ckpt.state, strict=False)
+    return module.to(next(target_model.parameters()).device).eval()
+
+
+def check_state(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse `state` unless it has exactly the `expected` tensor names and shapes; the error names them."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{where} does not match the heads its config builds (missing tensors {missing[:4]}, "
+                         f"unexpected tensors {unexpected[:4]}); re-export or re-train it")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(state[name].shape)} in the file but "
+                             f"{shape} in the heads its config builds; re-export or re-train it")

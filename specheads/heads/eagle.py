@@ -21,26 +21,27 @@ cover only those tokens; `token_ids` maps logit indices back to token ids.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
+from specheads.features import check_aux_layers, feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
 from specheads.hf import cache_kwargs, decoder_of, text_config
+from specheads.kinds import DrafterKind, register_kind
 
-HEAD_TYPE = "eagle"
+KIND_NAME = "eagle"
 
 
 @dataclass(frozen=True)
 class EagleConfig:
-    hidden_size: int
-    vocab_size: int
-    num_layers: int = 1
+    """What an EAGLE head is; saved as its checkpoint's `config`."""
+
+    hidden_size: int  # the target's hidden size H
+    vocab_size: int  # rows of the target's LM head
+    num_layers: int = 1  # decoder layers of the target's architecture in the head
     init_from_target_layer: int | None = None  # copy this target layer's weights into the head's layer(s)
     draft_vocab: tuple[int, ...] | None = None  # token ids the head scores, sorted; None: the whole vocabulary
     aux_layers: tuple[int, ...] = ()  # target hidden_states indices fused with F_t (EAGLE-3: low, mid, high); () = EAGLE-1
@@ -49,7 +50,7 @@ class EagleConfig:
         if self.num_layers < 1:
             raise ValueError(f"eagle num_layers must be >= 1, got {self.num_layers}")
         object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
-        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, HEAD_TYPE))
+        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, KIND_NAME))
 
 
 class EagleHead(nn.Module):
@@ -153,36 +154,8 @@ class EagleHead(nn.Module):
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into the draft logits -> token ids
         return index if self.draft_ids is None else self.draft_ids[index]
 
-    def save_pretrained(self, path: str | Path, target: TargetInfo, extra: dict | None = None) -> None:
-        save_heads(path, self, head_type=HEAD_TYPE, config={**asdict(self.config), **(extra or {})}, target=target)
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, target_model: nn.Module, target_name: str | None = None) -> EagleHead:
-        head_type, config, info, state = load_heads(path)
-        if head_type != HEAD_TYPE:
-            raise ValueError(f"{path} holds {head_type!r} heads, not eagle heads; use --method {head_type}")
-        info.check_compatible(target_model, target_name)
-        fields = {k: v for k, v in config.items() if k in EagleConfig.__dataclass_fields__}
-        head = cls(EagleConfig(**{**fields, "init_from_target_layer": None}), target_model)
-        head.load_state_dict(state, strict=True)
-        return head.to(next(target_model.parameters()).device).eval()
-
-
-def feature_width(hidden_size: int, aux_layers: Sequence[int]) -> int:  # D = (len(aux_layers) + 1) * H
-    return (len(aux_layers) + 1) * hidden_size
-
-
-def feature_rows(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int]) -> torch.Tensor:  # -> [..., D]
-    """The target features an EAGLE head reads, from a forward's `hidden_states` (embeddings first, the
-    last entry after the final norm): cat(aux layers..., last). Training features and the offline cache
-    use this same layout, so the last H columns are always what the LM head reads."""
-    if not aux_layers:
-        return hidden_states[-1]
-    return torch.cat([hidden_states[i] for i in aux_layers] + [hidden_states[-1]], dim=-1)
-
-
-def check_aux_layers(aux_layers: tuple[int, ...], num_target_layers: int) -> None:
-    """Aux layers index the target's hidden_states strictly between the embeddings and the last layer."""
-    if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < i < num_target_layers for i in aux_layers):
-        raise ValueError(f"eagle aux_layers must be sorted, distinct hidden_states indices in [1, {num_target_layers - 1}] "
-                         f"for a {num_target_layers}-layer target (EAGLE-3 uses 2, L//2, L-3), got {list(aux_layers)}")
+register_kind(DrafterKind(
+    name=KIND_NAME, config=EagleConfig, build=EagleHead, module=EagleHead,
+    summary="EAGLE heads: the target's next feature from (feature, next token), drafting an EAGLE-2 dynamic tree",
+))

@@ -9,32 +9,31 @@ With a `draft_vocab` (see `draft_vocab.py`) every LM head scores only those toke
 
 from __future__ import annotations
 
-import logging
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.checkpoint import TargetInfo, load_heads, save_heads
 from specheads.heads.draft_vocab import check_draft_vocab
+from specheads.kinds import DrafterKind, register_kind
 from specheads.trees import validate_tree
 
-log = logging.getLogger(__name__)
-
-HEAD_TYPE = "medusa"
+KIND_NAME = "medusa"
 _SHARED_PREFIX = "target_lm_head."  # the target's own LM head: frozen, never saved
 
 
 @dataclass(frozen=True)
 class MedusaConfig:
-    hidden_size: int
-    vocab_size: int
+    """What a set of Medusa heads is; saved as its checkpoint's `config`."""
+
+    hidden_size: int  # the target's hidden size H
+    vocab_size: int  # rows of the target's LM head
     num_heads: int = 4  # K: head k guesses the token k + 2 positions after the hidden state's token
     num_layers: int = 1  # residual blocks per head
     own_lm_head: bool = False  # a trainable LM head per head (initialised from the target's) instead of sharing it
     draft_vocab: tuple[int, ...] | None = None  # token ids the heads score, sorted; None: the whole vocabulary
+    tree: tuple[tuple[int, ...], ...] | None = None  # static tree to draft (paths of top-k indices), measured in training
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
@@ -43,19 +42,13 @@ class MedusaConfig:
                 raise ValueError(f"medusa {name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.own_lm_head, bool):
             raise ValueError(f"medusa own_lm_head must be true or false, got {self.own_lm_head!r}")
-        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, HEAD_TYPE))
+        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, KIND_NAME))
+        if self.tree is not None:
+            object.__setattr__(self, "tree", tuple(tuple(p) for p in validate_tree(self.tree)))
 
     @property
     def scored_vocab_size(self) -> int:
         return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MedusaConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown medusa config keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)
 
     @classmethod
     def for_target(cls, model: nn.Module, **kwargs) -> MedusaConfig:
@@ -91,7 +84,6 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"the target LM head is {tuple(weight.shape)} (vocab, hidden) but the medusa config says "
                              f"({config.vocab_size}, {config.hidden_size}); build the config with MedusaConfig.for_target")
         self.config = config
-        self.tree: list[list[int]] | None = None  # the static tree stored with a checkpoint, if any
         # New weights follow the target's device and dtype, so the heads run on its hidden states as they come.
         factory = dict(device=weight.device, dtype=weight.dtype)
         bias = getattr(target_lm_head, "bias", None)
@@ -149,38 +141,16 @@ class MedusaHeads(nn.Module):
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into forward's last dim -> token ids
         return index if self.draft_ids is None else self.draft_ids[index]
 
-    def save_pretrained(self, path: str | os.PathLike, target: TargetInfo, tree: list[list[int]] | None = None) -> None:
-        """Save config, weights (not the shared target LM head) and optionally the static tree to use."""
-        config = asdict(self.config)  # JSON writes the draft_vocab tuple as a list
-        config["tree"] = validate_tree(tree) if tree is not None else None
-        save_heads(path, self, head_type=HEAD_TYPE, config=config, target=target, exclude_prefixes=(_SHARED_PREFIX,))
-
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, target_model: nn.Module) -> MedusaHeads:
-        """Load heads for `target_model` (checked against the sizes they were trained for), on its device and dtype."""
-        head_type, config, target, state = load_heads(path)
-        if head_type != HEAD_TYPE:
-            raise ValueError(f"checkpoint {path} holds {head_type!r} heads, not medusa heads; "
-                             f"use the method that matches it (e.g. --method {head_type})")
-        target.check_compatible(target_model, checkpoint=path)
-        config = dict(config)
-        tree = config.pop("tree", None)
-        try:
-            cfg = MedusaConfig.from_dict(config)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"checkpoint {path}: bad medusa config ({err}); re-export or re-train it") from err
-        heads = cls(cfg, target_model.get_output_embeddings())
-        expected = {k for k in heads.state_dict() if not k.startswith(_SHARED_PREFIX)}
-        if set(state) != expected:
-            raise ValueError(f"checkpoint {path} does not match its config (missing {sorted(expected - set(state))}, "
-                             f"unexpected {sorted(set(state) - expected)}); re-export or re-train it")
-        try:
-            heads.load_state_dict(state, strict=False)
-        except RuntimeError as err:  # shape mismatches
-            raise ValueError(f"checkpoint {path} does not match its config ({err}); re-export or re-train it") from err
-        if tree is not None:
-            heads.tree = validate_tree(tree)
-        return heads.eval()
+    def for_target(cls, config: MedusaConfig, target: nn.Module) -> MedusaHeads:
+        return cls(config, target.get_output_embeddings())
+
+
+register_kind(DrafterKind(
+    name=KIND_NAME, config=MedusaConfig, build=MedusaHeads.for_target, module=MedusaHeads,
+    shared_prefixes=(_SHARED_PREFIX,),
+    summary="Medusa heads: K residual heads on the target's last hidden state, drafting a static top-k tree",
+))
 
 
 def medusa_loss(

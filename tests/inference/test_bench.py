@@ -13,7 +13,7 @@ import torch
 import specheads.inference.bench as bench
 import specheads.inference.engine as engine_mod
 import specheads.target
-from specheads.heads.checkpoint import TargetInfo
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.heads.medusa import MedusaConfig, MedusaHeads
 from specheads.inference.bench import Record, build_runners, measure, parse_methods, run_bench, summarize
 from specheads.inference.cli import main
@@ -240,7 +240,7 @@ def test_wandb_offline_writes_a_run(tiny_model_dir, questions_file, tmp_path, ca
 def test_heads_of_another_target_fail_as_one_line(tiny_model_dir, questions_file, tmp_path, capsys):
     other = tiny_model("llama", hidden=32)
     heads = MedusaHeads(MedusaConfig.for_target(other, num_heads=2), other.get_output_embeddings())
-    heads.save_pretrained(tmp_path / "heads", TargetInfo.from_model(other, "other-tiny"))
+    save_drafter(tmp_path / "heads", heads, TargetInfo.from_model(other, "other-tiny"))
     code, _, err = run_cli(["--target", str(tiny_model_dir), "--methods", f"ar,medusa:{tmp_path / 'heads'}",
                             "--questions", str(questions_file), "--max-new-tokens", "4"], capsys)
     assert code == 2
@@ -250,7 +250,7 @@ def test_heads_of_another_target_fail_as_one_line(tiny_model_dir, questions_file
 
 @pytest.mark.parametrize("args,message", [
     (["--limit", "0"], "--limit must be >= 1 (or omitted for all questions), got 0"),
-    (["--methods", "ar,nope"], f"unknown method 'nope' in --methods; valid: {', '.join(METHODS)}, hf, hf-assisted, hf-pld"),
+    (["--methods", "ar,nope"], f"unknown method 'nope' in --methods; valid: {', '.join(METHODS.names())}, hf, hf-assisted, hf-pld"),
     (["--methods", "ar,hf-assisted"], "method hf-assisted needs a path: hf-assisted:PATH"),
     (["--methods", "ar,ar"], "listed twice"),
     (["--methods", "ngram:3"], "method ngram takes no argument"),

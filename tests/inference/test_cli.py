@@ -72,7 +72,7 @@ def test_prompt_streams_text_and_prints_stats(tiny_model_dir, capsys):
     (["--method", "draft"], "needs --draft"),
     (["--method", "draft", "--draft", "early-exit:x"], "early-exit:8"),
     (["--method", "eagle", "--heads", "runs/none", "--lookup", "-1"], "--lookup must be >= 0"),
-    (["--method", "ngram", "--lookup", "2"], "--method ngram does not take it"),
+    (["--method", "ngram", "--lookup", "2"], "--lookup does not apply to --method ngram"),
 ])
 def test_bad_arguments_give_one_clear_line(tiny_model_dir, capsys, args, message):
     code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--prompt", "w5", "--max-new-tokens", "4",

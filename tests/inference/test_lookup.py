@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.heads.checkpoint import TargetInfo
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.inference import Engine
 from specheads.inference.bench import parse_methods
-from specheads.inference.methods import MethodOptions, make_proposer
+from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.eagle import EagleProposer
 from specheads.inference.proposers.lookup import DEFAULT_LOOKUP, WithPromptLookup
-from specheads.inference.proposers.medusa import MedusaProposer
+from specheads.inference.proposers.medusa import MEDUSA_TREES, MedusaProposer
 from specheads.inference.proposers.ngram import find_continuations
-from specheads.trees import PRESETS
 from tests.conftest import random_eagle_head, repetitive_prompt, start_proposer, tiny_model
 from tests.inference.test_medusa_proposer import random_heads
 
@@ -56,7 +55,7 @@ def test_greedy_with_lookup_equals_plain_greedy(target, heads):
     def inner():
         if heads == "eagle":
             return EagleProposer(random_eagle_head(target))
-        return MedusaProposer(random_heads(target), PRESETS["medusa-16"])
+        return MedusaProposer(random_heads(target), MEDUSA_TREES["medusa-16"])
 
     alone = Engine(target, inner()).generate(prompt, max_new_tokens=MAX_NEW)
     both = Engine(target, WithPromptLookup(inner())).generate(prompt, max_new_tokens=MAX_NEW)
@@ -65,14 +64,19 @@ def test_greedy_with_lookup_equals_plain_greedy(target, heads):
 
 
 def test_lookup_option_wraps_the_heads_or_not(target, tmp_path):
-    random_heads(target, num_heads=2).save_pretrained(tmp_path, TargetInfo.from_model(target, "tiny"))
-    default = make_proposer("medusa", target, MethodOptions(heads=str(tmp_path)), None)
+    save_drafter(tmp_path, random_heads(target, num_heads=2), TargetInfo.from_model(target, "tiny"))
+    medusa = METHODS.get("medusa")
+
+    def proposer(**values):
+        return make_proposer("medusa", target, medusa.make_options({"heads": str(tmp_path), **values}), None)
+
+    default = proposer()
     assert isinstance(default, WithPromptLookup) and default.config == DEFAULT_LOOKUP
-    three = make_proposer("medusa", target, MethodOptions(heads=str(tmp_path), lookup=3), None)
+    three = proposer(lookup=3)
     assert three.config.num_candidates == 3 and three.config.max_nodes == 3 * DEFAULT_LOOKUP.depth
-    assert isinstance(make_proposer("medusa", target, MethodOptions(heads=str(tmp_path), lookup=0), None), MedusaProposer)
+    assert isinstance(proposer(lookup=0), MedusaProposer)
     with pytest.raises(ValueError, match="--lookup must be >= 0"):
-        make_proposer("medusa", target, MethodOptions(heads=str(tmp_path), lookup=-1), None)
+        proposer(lookup=-1)
 
 
 def test_bench_specs_take_a_lookup_suffix():

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from specheads.heads.checkpoint import TargetInfo
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.base import ProposalContext
-from specheads.inference.proposers.medusa import MedusaProposer, load_medusa_proposer
-from specheads.trees import PRESETS
+from specheads.inference.proposers.medusa import MEDUSA_TREES, MedusaProposer, load_medusa_proposer
 from tests.conftest import repetitive_prompt, tiny_model
 
 MAX_NEW = 40
@@ -81,14 +82,14 @@ def test_tree_is_built_from_head_topk(target):
 
 
 def test_one_token_prompt_proposes_root_only(target):
-    proposer = MedusaProposer(random_heads(target), PRESETS["medusa-16"])
+    proposer = MedusaProposer(random_heads(target), MEDUSA_TREES["medusa-16"])
     proposer.start(ctx([5]), None)
     assert proposer.propose(ctx([5])).size == 1
 
 
 def test_tree_deeper_than_heads_is_rejected(target):
     with pytest.raises(ValueError, match="4 deep but the checkpoint has 2 medusa heads"):
-        MedusaProposer(random_heads(target, num_heads=2), PRESETS["chain-4"])
+        MedusaProposer(random_heads(target, num_heads=2), MEDUSA_TREES["chain-4"])
 
 
 @pytest.mark.parametrize("arch,tree", [("llama", "chain-4"), ("llama", "medusa-16"), ("qwen2", "medusa-63")])
@@ -96,7 +97,7 @@ def test_random_heads_match_plain_greedy(arch, tree):
     target = tiny_model(arch)
     prompt = repetitive_prompt()
     expected = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW).output_ids
-    res = Engine(target, MedusaProposer(random_heads(target), PRESETS[tree])).generate(prompt, max_new_tokens=MAX_NEW)
+    res = Engine(target, MedusaProposer(random_heads(target), MEDUSA_TREES[tree])).generate(prompt, max_new_tokens=MAX_NEW)
     assert res.output_ids == expected
     assert res.stats.drafted > 0 and res.stats.new_tokens == MAX_NEW
 
@@ -105,7 +106,7 @@ def test_good_heads_get_accepted_and_match_plain_greedy(target, reference, tmp_p
     prompt, expected = reference
     heads = memorising_heads(target, prompt, expected)
     tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-    heads.save_pretrained(tmp_path, TargetInfo.from_model(target, "tiny"), tree=tree)
+    save_drafter(tmp_path, heads, TargetInfo.from_model(target, "tiny"), config=replace(heads.config, tree=tree))
     proposer = load_medusa_proposer(tmp_path, target)  # the tree stored with the heads
     assert proposer.paths == tree
     res = Engine(target, proposer).generate(prompt, max_new_tokens=MAX_NEW)
@@ -115,7 +116,7 @@ def test_good_heads_get_accepted_and_match_plain_greedy(target, reference, tmp_p
 
 
 def test_load_with_tree_override_and_default(target, tmp_path):
-    random_heads(target, num_heads=2).save_pretrained(tmp_path, TargetInfo.from_model(target, "tiny"))
+    save_drafter(tmp_path, random_heads(target, num_heads=2), TargetInfo.from_model(target, "tiny"))
     assert load_medusa_proposer(tmp_path, target).depth == 2  # no stored tree: medusa-16 pruned to the 2 heads
     assert load_medusa_proposer(tmp_path, target, tree="medusa-32", max_depth=1).paths == [[i] for i in range(8)]
     with pytest.raises(ValueError, match="use a tree at most 2 deep"):
@@ -125,7 +126,7 @@ def test_load_with_tree_override_and_default(target, tmp_path):
 def test_sampling_smoke(target):
     prompt = repetitive_prompt()
     sampling = SamplingParams(temperature=1.0, seed=0)
-    engine = Engine(target, MedusaProposer(random_heads(target), PRESETS["medusa-16"]))
+    engine = Engine(target, MedusaProposer(random_heads(target), MEDUSA_TREES["medusa-16"]))
     first = engine.generate(prompt, max_new_tokens=20, sampling=sampling)
     again = engine.generate(prompt, max_new_tokens=20, sampling=sampling)
     assert len(first.output_ids) == 20 and first.stats.drafted > 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, load_heads, save_heads
+from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, read_checkpoint, save_heads
 from tests.conftest import tiny_model
 
 
@@ -40,13 +40,13 @@ def test_target_info_from_model(target):
 
 def test_roundtrip_excludes_prefixes_and_leaves_no_temp_files(tmp_path, target):
     module = save_small(tmp_path / "ckpt", target)
-    head_type, config, info, state = load_heads(tmp_path / "ckpt")
-    assert head_type == "toy" and config == {"width": 4}
-    assert info == TargetInfo.from_model(target, "tiny")
-    assert set(state) == {"own.weight", "own.bias"}
-    torch.testing.assert_close(state["own.weight"], module.own.weight)
+    ckpt = read_checkpoint(tmp_path / "ckpt")
+    assert ckpt.head_type == "toy" and ckpt.config == {"width": 4} and ckpt.metadata == {}
+    assert ckpt.target == TargetInfo.from_model(target, "tiny")
+    assert set(ckpt.state) == {"own.weight", "own.bias"}
+    torch.testing.assert_close(ckpt.state["own.weight"], module.own.weight)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
-    assert json.loads((tmp_path / "ckpt" / CONFIG_NAME).read_text())["format_version"] == 1
+    assert json.loads((tmp_path / "ckpt" / CONFIG_NAME).read_text())["format_version"] == 2
     # Overwriting in place also leaves only the two files.
     save_small(tmp_path / "ckpt", target)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
@@ -84,7 +84,7 @@ def test_truncated_weights_raise_clear_error(tmp_path, target, keep):
     data = (tmp_path / WEIGHTS_NAME).read_bytes()
     (tmp_path / WEIGHTS_NAME).write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ValueError, match="corrupt or truncated.*re-export or re-train"):
-        load_heads(tmp_path)
+        read_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["no-folder", "no-config", "bad-json", "missing-key", "no-weights"])
@@ -106,4 +106,18 @@ def test_broken_checkpoints_raise_value_error(tmp_path, target, damage):
     expected = {"no-folder": "does not exist", "no-config": "has no config.json", "bad-json": "corrupt",
                 "missing-key": "lacks.*target", "no-weights": "has no model.safetensors"}[damage]
     with pytest.raises(ValueError, match=expected):
-        load_heads(ckpt)
+        read_checkpoint(ckpt)
+
+
+def test_format_1_checkpoints_still_load_with_their_eval_as_metadata(tmp_path, target):
+    save_small(tmp_path, target)
+    meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    meta.pop("metadata")
+    meta["format_version"], meta["config"]["eval"] = 1, {"step": 3}  # format 1 kept the last eval in `config`
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
+    ckpt = read_checkpoint(tmp_path)
+    assert ckpt.config == {"width": 4} and ckpt.metadata == {"eval": {"step": 3}}
+    meta["format_version"] = 3
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="format_version 3, this specheads reads versions 1, 2: upgrade specheads"):
+        read_checkpoint(tmp_path)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specheads.heads.checkpoint import CONFIG_NAME, TargetInfo
+from specheads.heads.checkpoint import CONFIG_NAME, TargetInfo, load_drafter, save_drafter
 from specheads.heads.eagle import EagleConfig, EagleHead
 from tests.conftest import tiny_model
 
@@ -28,11 +28,11 @@ def test_draft_vocab_roundtrip_gives_the_same_draft_logits_and_token_ids(tmp_pat
     head = _head(target, draft_vocab=ids)
     assert torch.equal(head.draft_weight(), target.get_output_embeddings().weight[list(ids)])
     assert head.token_ids(torch.tensor([0, 4, 2])).tolist() == [3, 95, 8]
-    head.save_pretrained(tmp_path / "h", TargetInfo.from_model(target, "tiny"))
+    save_drafter(tmp_path / "h", head, TargetInfo.from_model(target, "tiny"))
     saved = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())
     assert saved["config"]["draft_vocab"] == list(ids)
 
-    loaded = EagleHead.from_pretrained(tmp_path / "h", target)
+    loaded = load_drafter(tmp_path / "h", target, kind="eagle")
     assert loaded.config.draft_vocab == ids
     tokens, feats = torch.randint(0, 96, (1, 6)), torch.randn(1, 6, head.config.hidden_size)
     positions = torch.arange(6)[None]
@@ -85,8 +85,8 @@ def test_aux_layers_roundtrip(tmp_path, target):
     head = _aux_head(target, (1, 3))
     with torch.no_grad():
         head.fuse.weight.normal_(std=0.1)
-    head.save_pretrained(tmp_path / "h", TargetInfo.from_model(target, "tiny"))
-    loaded = EagleHead.from_pretrained(tmp_path / "h", target)
+    save_drafter(tmp_path / "h", head, TargetInfo.from_model(target, "tiny"))
+    loaded = load_drafter(tmp_path / "h", target, kind="eagle")
     assert loaded.config.aux_layers == (1, 3)
     tokens, positions = torch.randint(0, 96, (1, 5)), torch.arange(5)[None]
     feats = torch.randn(1, 5, head.feature_width)

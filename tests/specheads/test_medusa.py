@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from specheads.heads.checkpoint import WEIGHTS_NAME, TargetInfo, save_heads
+from specheads.heads.checkpoint import WEIGHTS_NAME, TargetInfo, load_drafter, save_drafter, save_heads
 from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from tests.conftest import TINY_VOCAB, tiny_model
 
@@ -95,9 +96,9 @@ def test_save_load_roundtrip(tmp_path, target, hidden, own_lm_head):
     _, h = hidden
     cfg = MedusaConfig.for_target(target, num_heads=2, num_layers=2, own_lm_head=own_lm_head)
     heads = perturb(MedusaHeads(cfg, target.get_output_embeddings()))
-    heads.save_pretrained(tmp_path, TargetInfo.from_model(target, "tiny"), tree=[[0, 0], [0], [1]])
-    loaded = MedusaHeads.from_pretrained(tmp_path, target)
-    assert loaded.config == cfg and loaded.tree == [[0], [1], [0, 0]]
+    save_drafter(tmp_path, heads, TargetInfo.from_model(target, "tiny"), config=replace(cfg, tree=[[0, 0], [0], [1]]))
+    loaded = load_drafter(tmp_path, target)
+    assert loaded.config == replace(cfg, tree=((0,), (1,), (0, 0))) and isinstance(loaded, MedusaHeads)
     with torch.no_grad():
         torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)
     from safetensors.torch import load_file
@@ -107,23 +108,23 @@ def test_save_load_roundtrip(tmp_path, target, hidden, own_lm_head):
     assert any(k.startswith("lm_heads") for k in saved) == own_lm_head
 
 
-def test_from_pretrained_rejects_other_targets_and_head_types(tmp_path, target):
+def test_loading_rejects_other_targets_and_head_types(tmp_path, target):
     heads = MedusaHeads(MedusaConfig.for_target(target, num_heads=1), target.get_output_embeddings())
-    heads.save_pretrained(tmp_path / "m", TargetInfo.from_model(target, "tiny"))
-    assert MedusaHeads.from_pretrained(tmp_path / "m", target).tree is None
+    save_drafter(tmp_path / "m", heads, TargetInfo.from_model(target, "tiny"))
+    assert load_drafter(tmp_path / "m", target, kind="medusa").config.tree is None
     wider = tiny_model("llama", layers=2, vocab=128)
     with pytest.raises(ValueError, match="vocab 96.*vocab 128"):
-        MedusaHeads.from_pretrained(tmp_path / "m", wider)
+        load_drafter(tmp_path / "m", wider)
     save_heads(tmp_path / "e", heads, head_type="eagle", config={}, target=TargetInfo.from_model(target, "tiny"))
     with pytest.raises(ValueError, match="'eagle' heads, not medusa"):
-        MedusaHeads.from_pretrained(tmp_path / "e", target)
+        load_drafter(tmp_path / "e", target, kind="medusa")
 
 
 def test_config_validation(target):
     with pytest.raises(ValueError, match="num_heads must be an integer >= 1"):
         MedusaConfig(hidden_size=64, vocab_size=96, num_heads=0)
-    with pytest.raises(ValueError, match="unknown medusa config keys \\['heads'\\]"):
-        MedusaConfig.from_dict({"hidden_size": 64, "vocab_size": 96, "heads": 2})
+    with pytest.raises(ValueError, match="has no parent"):
+        MedusaConfig(hidden_size=64, vocab_size=96, tree=[[0, 0]])
     with pytest.raises(ValueError, match="for_target"):
         MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=96), target.get_output_embeddings())
 
@@ -138,8 +139,8 @@ def test_draft_vocabulary_scores_only_its_tokens_and_roundtrips(tmp_path, target
     assert logits.shape == (2, 2, 24, len(vocab)) and cfg.draft_vocab == vocab  # a list becomes a tuple
     torch.testing.assert_close(logits[0], target.lm_head(h)[..., list(vocab)])  # fresh heads: the target's rows
     assert heads.token_ids(torch.tensor([0, 5])).tolist() == [3, 95]
-    perturb(heads).save_pretrained(tmp_path, TargetInfo.from_model(target, "tiny"))
-    loaded = MedusaHeads.from_pretrained(tmp_path, target)
+    save_drafter(tmp_path, perturb(heads), TargetInfo.from_model(target, "tiny"))
+    loaded = load_drafter(tmp_path, target)
     assert loaded.config == heads.config
     with torch.no_grad():
         torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)

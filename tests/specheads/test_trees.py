@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from specheads.inference.proposers.medusa import MEDUSA_TREES
 from specheads.trees import (
-    PRESETS,
     TYPICAL_ACCURACIES,
     build_static_tree,
     expected_accept_length,
@@ -59,21 +59,21 @@ def test_bad_inputs_raise():
         build_static_tree([[1.5]], 1)
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(MEDUSA_TREES))
 def test_presets_are_valid(name):
-    tree = PRESETS[name]
+    tree = MEDUSA_TREES[name]
     assert validate_tree(tree) == tree
     assert max(len(p) for p in tree) <= len(TYPICAL_ACCURACIES)
     assert expected_accept_length(tree, TYPICAL_ACCURACIES) > 1.5
 
 
 def test_bigger_presets_expect_longer_acceptance():
-    taus = [expected_accept_length(PRESETS[f"medusa-{n}"], TYPICAL_ACCURACIES) for n in (16, 32, 63)]
-    assert taus == sorted(taus) and len(PRESETS["medusa-63"]) == 63
+    taus = [expected_accept_length(MEDUSA_TREES[f"medusa-{n}"], TYPICAL_ACCURACIES) for n in (16, 32, 63)]
+    assert taus == sorted(taus) and len(MEDUSA_TREES["medusa-63"]) == 63
 
 
 def test_resolve_tree_from_preset_list_and_files(tmp_path):
-    assert resolve_tree("chain-4") == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+    assert resolve_tree("chain-4", MEDUSA_TREES) == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
     assert resolve_tree([[0, 0], [0]]) == [[0], [0, 0]]
     (tmp_path / "t.json").write_text("[[0], [1], [0, 0]]")
     assert resolve_tree(str(tmp_path / "t.json")) == [[0], [1], [0, 0]]
@@ -83,4 +83,4 @@ def test_resolve_tree_from_preset_list_and_files(tmp_path):
     with pytest.raises(ValueError, match="bad.yaml.*no parent"):
         resolve_tree(str(tmp_path / "bad.yaml"))
     with pytest.raises(ValueError, match="unknown tree 'medusa-7'.*chain-4"):
-        resolve_tree("medusa-7")
+        resolve_tree("medusa-7", MEDUSA_TREES)

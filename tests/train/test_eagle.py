@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specheads.train.config import TrainConfig
-from specheads.train.eagle import build_eagle, eagle_eval, eagle_step_loss, ttt_mask, unroll
+from specheads.train.eagle import EagleHeadsConfig, build_eagle, eagle_eval, eagle_step_loss, ttt_mask, unroll
 from tests.conftest import tiny_model
 
 
@@ -72,7 +71,5 @@ def test_eval_counts_chains_from_the_target_choices(head_and_inputs):
     assert 0 <= sums["accepted"].item() <= 3 * sums["starts"].item()
 
 
-def _cfg(**heads) -> TrainConfig:
-    from specheads.train.config import HeadsConfig
-
-    return TrainConfig(heads=HeadsConfig(**heads))
+def _cfg(**heads) -> EagleHeadsConfig:
+    return EagleHeadsConfig(**heads)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -16,38 +15,9 @@ import torch
 
 from specheads.train.__main__ import main as train_main
 from specheads.train.config import load_train_config
+from tests.conftest import base_args
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_run_inputs(tmp_path_factory):
-    """A saved tiny target and a ShareGPT-format JSONL whose answers follow a learnable pattern."""
-    from tests.conftest import tiny_model, tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("recipe")
-    target = root / "target"
-    tiny_model("llama").save_pretrained(target)
-    tiny_tokenizer().save_pretrained(target)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(48):
-        conv = []
-        for _ in range(2):
-            conv.append({"from": "human", "value": " ".join(f"w{rng.randrange(3, 96)}" for _ in range(6))})
-            start = rng.randrange(3, 60)
-            conv.append({"from": "gpt", "value": " ".join(f"w{(start + 3 * k) % 93 + 3}" for k in range(16))})
-        rows.append({"conversations": conv})
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return target, data
-
-
-def base_args(inputs, out: Path, *extra: str) -> list[str]:
-    target, data = inputs
-    return [f"target={target}", f"data.source={data}", f"output_dir={out}", "data.max_length=96",
-            "optim.batch_size=4", "optim.warmup_steps=2", "draft_vocab_size=48", "log_every=1", "eval_every=100",
-            "data.eval_fraction=0.1", *extra]
 
 
 def metrics(out: Path) -> list[dict]:
@@ -78,7 +48,7 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     assert 1.0 <= measured["eval/measured_tau"] <= 6.0  # the bonus token plus at most the tree depth (5)
 
     from specheads.inference import Engine
-    from specheads.inference.methods import MethodOptions, make_proposer
+    from specheads.inference.methods import METHODS, make_proposer
     from specheads.inference.proposers import AutoregressiveProposer
     from specheads.target import load_target
 
@@ -87,7 +57,8 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
     drafted_per_step = {}
     for tree in (None, "wide", "eagle2"):  # every named tree decodes exactly; bigger ones draft more per step
-        eagle = Engine(target, make_proposer("eagle", target, MethodOptions(heads=str(out / "final"), tree=tree), None))
+        eagle = Engine(target, make_proposer("eagle", target, METHODS.get("eagle").make_options(
+            {"heads": str(out / "final"), "tree": tree}), None))
         res = eagle.generate(prompt, max_new_tokens=32)
         assert res.output_ids == plain.output_ids, tree
         drafted_per_step[tree] = res.stats.drafted / res.stats.steps
@@ -96,7 +67,7 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
 
 def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_inputs, tmp_path):
     out = tmp_path / "medusa"
-    assert train_main(base_args(tiny_run_inputs, out, "recipe=medusa", "heads.medusa_heads=2", "max_steps=20",
+    assert train_main(base_args(tiny_run_inputs, out, "recipe=medusa", "heads.num_heads=2", "max_steps=20",
                                 "save_every=20", "optim.lr=0.02")) == 0
     losses = train_losses(out)
     assert sum(losses[s] for s in (18, 19, 20)) < 0.9 * sum(losses[s] for s in (1, 2, 3)), losses
@@ -104,14 +75,15 @@ def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_input
     assert cfg["head_type"] == "medusa" and cfg["config"]["tree"], cfg
 
     from specheads.inference import Engine
-    from specheads.inference.methods import MethodOptions, make_proposer
+    from specheads.inference.methods import METHODS, make_proposer
     from specheads.inference.proposers import AutoregressiveProposer
     from specheads.target import load_target
 
     target, _ = load_target(str(tiny_run_inputs[0]))
     prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
-    medusa = Engine(target, make_proposer("medusa", target, MethodOptions(heads=str(out / "final")), None))
+    medusa = Engine(target, make_proposer("medusa", target, METHODS.get("medusa").make_options(
+        {"heads": str(out / "final")}), None))
     res = medusa.generate(prompt, max_new_tokens=32)
     assert res.output_ids == plain.output_ids and res.stats.drafted > 0
 
@@ -145,7 +117,7 @@ def test_offline_features_train_like_online(tiny_run_inputs, tmp_path):
 def test_resume_with_a_changed_model_config_is_refused(tiny_run_inputs, tmp_path, capsys):
     out = tmp_path / "run"
     assert train_main(base_args(tiny_run_inputs, out, "max_steps=2", "save_every=2")) == 0
-    code = train_main(base_args(tiny_run_inputs, out, "max_steps=4", "resume=true", "heads.eagle_layers=2"))
+    code = train_main(base_args(tiny_run_inputs, out, "max_steps=4", "resume=true", "heads.num_layers=2"))
     assert code == 2 and "'heads' differs" in capsys.readouterr().err
 
 
@@ -166,27 +138,42 @@ def test_init_heads_starts_from_saved_heads_and_refuses_ones_that_do_not_fit(tin
 
     assert train_main(base_args(tiny_run_inputs, tmp_path / "m", "recipe=medusa", "max_steps=1",
                                 f"init_heads={first / 'final'}")) == 2
-    assert "holds eagle heads; the medusa recipe can only start from medusa heads" in capsys.readouterr().err
+    assert "holds eagle heads; this recipe can only start from medusa heads" in capsys.readouterr().err
     assert train_main(base_args(tiny_run_inputs, tmp_path / "w", "max_steps=1", "heads.aux_layers=[1]",
                                 f"init_heads={first / 'final'}")) == 2
     assert "does not fit the heads this config builds" in capsys.readouterr().err
 
 
 def test_unknown_config_key_suggests_the_nearest(tmp_path):
+    def load(*overrides):
+        return load_train_config(None, ["recipe=eagle", *overrides])
+
     with pytest.raises(ValueError, match="did you mean 'max_steps'"):
-        load_train_config(None, ["max_step=3"])
+        load("max_step=3")
     with pytest.raises(ValueError, match="did you mean 'max_conversations'"):
-        load_train_config(None, ["data.max_conversation=3"])
+        load("data.max_conversation=3")
     with pytest.raises(ValueError, match="must be an integer"):
-        load_train_config(None, ["max_steps=ten"])
-    with pytest.raises(ValueError, match="heads.aux_layers is an EAGLE setting"):
-        load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
-    assert load_train_config(None, ["heads.aux_layers=[2,15,27]"]).heads.aux_layers == (2, 15, 27)
+        load("max_steps=ten")
+    assert load("heads.aux_layers=[2,15,27]").heads.aux_layers == (2, 15, 27)
     with pytest.raises(ValueError, match=r"'heads.aux_layers\[1\]' must be an integer"):
-        load_train_config(None, ["heads.aux_layers=[2,x]"])
+        load("heads.aux_layers=[2,x]")
     with pytest.raises(ValueError, match="not both 0"):
-        load_train_config(None, ["heads.reg_weight=0", "heads.cls_weight=0"])
-    assert load_train_config(None, ["optim.lr=3e-4"]).optim.lr == 3e-4  # YAML 1.1 reads this as a string
+        load("heads.reg_weight=0", "heads.cls_weight=0")
+    assert load("optim.lr=3e-4").optim.lr == 3e-4  # YAML 1.1 reads this as a string
+
+
+def test_each_recipe_reads_its_own_heads_section():
+    from specheads.train.objective import OBJECTIVES
+
+    medusa = load_train_config(None, ["recipe=medusa", "heads.num_heads=3"])
+    assert type(medusa.heads) is OBJECTIVES.get("medusa").settings and medusa.heads.num_heads == 3
+    assert medusa.output_dir == "runs/medusa"  # the default follows the recipe
+    with pytest.raises(ValueError, match=r"unknown config key heads.'aux_layers'"):  # an eagle setting
+        load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
+    with pytest.raises(ValueError, match=r"the config names no recipe; add recipe: one of eagle, medusa"):
+        load_train_config(None, ["max_steps=3"])
+    with pytest.raises(ValueError, match=r"unknown recipe 'eagel' \(did you mean 'eagle'\?\)"):
+        load_train_config(None, ["recipe=eagel"])
 
 
 def test_every_recipe_file_parses():

@@ -1,0 +1,214 @@
+"""DRAFTERS: one entry per registered drafter kind, and the checks every kind must pass.
+
+`tests/test_drafters.py` runs every check for every kind in `specheads.kinds.KINDS` (and fails when a
+kind has no entry here); `tests/test_toy_kind.py` runs them for a kind registered by a test. An entry
+says how to make untrained (perturbed, so they draft) heads of the kind for a tiny target, and which
+method options to decode with besides the heads folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest.mock import patch
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+from torch import nn
+
+import specheads.inference.engine as engine_mod
+from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, load_drafter, save_drafter
+from specheads.inference import Engine, SamplingParams
+from specheads.inference.methods import METHODS, make_proposer
+from specheads.inference.proposers import AutoregressiveProposer, Proposer
+from specheads.inference.verifier import VerifyResult
+from tests.conftest import random_eagle_head, repetitive_prompt, tiny_model
+
+
+def perturbed(module: nn.Module, scale: float = 0.05, seed: int = 0) -> nn.Module:
+    """Fresh heads start as near-copies of the target's next-token predictor; noise makes them draft differently."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g).to(p) * scale)
+    return module
+
+
+def _medusa(target: nn.Module) -> nn.Module:
+    from specheads.heads.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(0)
+    config = MedusaConfig.for_target(target, num_heads=4, draft_vocab=tuple(range(3, 80)))
+    return perturbed(MedusaHeads(config, target.get_output_embeddings()), scale=0.2)
+
+
+@dataclass(frozen=True)
+class DrafterCase:
+    make: Callable[[nn.Module], nn.Module]  # untrained heads of the kind for a tiny target, on its device
+    options: list[dict[str, Any]] = field(default_factory=lambda: [{}])  # decoding options to try (besides heads)
+
+
+DRAFTERS: dict[str, DrafterCase] = {
+    "eagle": DrafterCase(lambda target: random_eagle_head(target, draft_vocab=tuple(range(3, 80))),
+                         [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}]),
+    "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0}]),
+}
+
+MAX_NEW = 40
+
+
+def save_case(kind: str, target: nn.Module, folder: Path) -> nn.Module:
+    heads = DRAFTERS[kind].make(target)
+    save_drafter(folder, heads, TargetInfo.from_model(target, "tiny"))
+    return heads
+
+
+def proposer_for(kind: str, target: nn.Module, folder: Path, values: dict[str, Any]) -> Proposer:
+    """The proposer `--method KIND --heads FOLDER` builds, through the registry and the strict loader."""
+    method = METHODS.get(kind)
+    return make_proposer(kind, target, method.make_options({method.arg: str(folder), **values}), None)
+
+
+def check_greedy_equals_plain_greedy(kind: str, target: nn.Module, folder: Path) -> None:
+    save_case(kind, target, folder)
+    for seed in (1, 2):
+        prompt = repetitive_prompt(seed=seed)
+        plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW)
+        for values in DRAFTERS[kind].options:
+            res = Engine(target, proposer_for(kind, target, folder, values)).generate(prompt, max_new_tokens=MAX_NEW)
+            assert res.output_ids == plain.output_ids, (kind, values)
+            assert res.stats.drafted > 0 and res.stats.new_tokens == MAX_NEW, (kind, values)
+
+
+def check_roundtrip(kind: str, target: nn.Module, folder: Path) -> None:
+    heads = save_case(kind, target, folder)
+    loaded = load_drafter(folder, target, kind=kind)
+    assert type(loaded) is type(heads) and loaded.config == heads.config
+    want, got = heads.state_dict(), loaded.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name].cpu(), got[name].cpu()), name
+    saved = json.loads((folder / CONFIG_NAME).read_text())
+    assert saved["head_type"] == kind and saved["format_version"] == 2
+
+
+def check_strict_loader(kind: str, target: nn.Module, folder: Path) -> None:
+    """Unknown config keys, missing, unexpected and misshapen tensors are refused by name."""
+    save_case(kind, target, folder)
+    meta, state = json.loads((folder / CONFIG_NAME).read_text()), load_file(folder / WEIGHTS_NAME)
+
+    def refused(message: str, meta_: dict, state_: dict) -> None:
+        (folder / CONFIG_NAME).write_text(json.dumps(meta_))
+        save_file(state_, folder / WEIGHTS_NAME)
+        try:
+            load_drafter(folder, target)
+        except ValueError as err:
+            assert message in str(err), (message, str(err))
+        else:
+            raise AssertionError(f"{kind}: loaded a checkpoint that should be refused ({message})")
+
+    name = sorted(state)[0]
+    refused("unknown config key 'bogus'", {**meta, "config": {**meta["config"], "bogus": 1}}, state)
+    refused(f"missing tensors [{name!r}]", meta, {k: v for k, v in state.items() if k != name})
+    refused("unexpected tensors ['extra.weight']", meta, {**state, "extra.weight": torch.zeros(2)})
+    bad = torch.zeros(*state[name].shape[:-1], state[name].shape[-1] + 1)
+    refused(f"tensor {name!r} has shape {tuple(bad.shape)} in the file but {tuple(state[name].shape)}", meta,
+            {**state, name: bad})
+
+
+@torch.no_grad()
+def bigram_target(arch: str = "llama", scale: float = 0.04) -> nn.Module:
+    """A tiny target that mostly continues x with x + 1: every layer's output projections are zeroed (each layer
+    passes the residual through), so the logits after x are the LM head applied to x's normed embedding, and row
+    j of the LM head is the normed embedding of j - 1. Sampling from it follows counting runs that prompt lookup
+    can draft, so speculative sampling accepts draft tokens often."""
+    model = tiny_model(arch)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    normed = model.model.norm(model.model.embed_tokens.weight)  # [V, H]
+    model.lm_head.weight.copy_(torch.roll(normed, 1, dims=0) * scale)
+    return model
+
+
+COUNTING_PROMPT = list(range(10, 30)) + list(range(10, 20))  # ends at 19; "17 18 19" was followed by 20, 21, ...
+
+
+def first_two_tokens(engine: Engine, prompt: list[int], params: SamplingParams, n: int) -> tuple[Counter, int]:
+    """(x1, x2) of `n` generations, each with its own seed; and the draft tokens accepted over them.
+
+    The prefill step samples x1 with nothing drafted; the next step drafts from x1 on, so x2 is what the verifier
+    committed (an accepted draft token or a residual sample); three tokens leave it room to draft."""
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in range(n):
+        res = engine.generate(prompt, max_new_tokens=3, sampling=SamplingParams(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed))
+        counts[tuple(res.output_ids[:2])] += 1
+        accepted += res.stats.accepted
+    return counts, accepted
+
+
+@torch.no_grad()
+def exact_two_token_law(target: nn.Module, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(x1, x2) = p(x1 | prompt) p(x2 | prompt, x1) under the sampling settings, from the target itself."""
+    p1 = params.probs(target(torch.tensor([prompt])).logits[0, -1].float())
+    law = {}
+    for x1 in p1.nonzero().flatten().tolist():
+        p2 = params.probs(target(torch.tensor([prompt + [x1]])).logits[0, -1].float())
+        for x2 in p2.nonzero().flatten().tolist():
+            law[(x1, x2)] = float(p1[x1] * p2[x2])
+    return law
+
+
+def chi_square_p(counts: Counter, law: dict[tuple[int, int], float]) -> float:
+    """p-value of the observed pairs under `law`; cells expecting fewer than 5 draws are pooled into one."""
+    if set(counts) - set(law):
+        return 0.0  # a pair the target can never produce
+    n = sum(counts.values())
+    big = [c for c in law if law[c] * n >= 5]
+    small = [c for c in law if law[c] * n < 5]
+    observed = [counts.get(c, 0) for c in big] + ([sum(counts.get(c, 0) for c in small)] if small else [])
+    expected = [law[c] * n for c in big] + ([sum(law[c] for c in small) * n] if small else [])
+    expected = np.array(expected) * n / sum(expected)
+    return float(chisquare(np.array(observed, dtype=float), expected).pvalue)
+
+
+SAMPLES = 500
+PARAMS = SamplingParams(temperature=1.0, top_k=3)
+
+
+def _verify_keeping_a_rejected_draft(tree, target_logits, sampling, generator=None):
+    """A broken verifier: where the target rejects every child of the root, it keeps the first draft token."""
+    res = _real_verify(tree, target_logits, sampling, generator)
+    if tree.size > 1 and res.num_accepted == 0:
+        bonus = torch.multinomial(sampling.probs(target_logits[1].float()), 1, generator=generator)[0]
+        return VerifyResult(path=torch.tensor([0, 1]), tokens=torch.stack([tree.tokens[1], bonus.to(tree.tokens.device)]))
+    return res
+
+
+_real_verify = engine_mod.verify
+
+
+def check_sampling_preserves_the_target_distribution(kind: str, folder: Path) -> None:
+    """Chi-square of the first two sampled tokens against the target's exact law (top-3 at temperature 1, 9 cells)
+    on a target whose counting runs get drafted and accepted often; a verifier that keeps a rejected draft must
+    fail the same test, so the sample size has power."""
+    target = bigram_target()
+    save_case(kind, target, folder)
+    lookup = {"lookup": 1} if METHODS.get(kind).takes("lookup") else {}  # prompt lookup drafts the counting runs
+    engine = Engine(target, proposer_for(kind, target, folder, lookup))
+    law = exact_two_token_law(target, COUNTING_PROMPT, PARAMS)
+    counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
+    assert accepted > SAMPLES // 4, f"{kind}: {accepted} draft tokens accepted in {SAMPLES} generations; too few to test"
+    assert chi_square_p(counts, law) > 1e-3, (kind, counts)
+    with patch.object(engine_mod, "verify", _verify_keeping_a_rejected_draft):
+        broken, _ = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
+    assert chi_square_p(broken, law) < 1e-6, (kind, broken)

@@ -1,0 +1,57 @@
+"""Training objectives: what the one recipe (`recipe.py`) needs from each drafter kind, by recipe name.
+
+A drafter kind (`specheads.kinds`) becomes trainable by registering an `Objective` here, from its own
+file in `specheads.train` (see `objectives.py` for the built-in ones). The recipe's loop, data,
+features, checkpoints and measured τ are shared; an objective supplies only the kind's parts:
+its settings (the YAML `heads:` section), how to build the module, one step's loss, evaluation, and
+the config its final checkpoint is saved with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, is_dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specheads.registry import Registry
+
+
+def _own_config(module: nn.Module, eval_extra: Any) -> Any:
+    return module.config
+
+
+def _no_aux_layers(settings: Any) -> tuple[int, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str  # the recipe name (`recipe:` in a YAML config)
+    kind: str  # the drafter kind it trains (`specheads.kinds.KINDS`): checkpoint format and decoding method
+    settings: type  # frozen dataclass of the recipe's `heads:` section (field comments are its docs)
+    # (settings, target, draft_vocab or None) -> the module to train; built under the run's seed
+    build: Callable[[Any, nn.Module, list[int] | None], nn.Module]
+    # (module, possibly DDP-wrapped; target; batch; settings) -> (loss, {metric: float}); must include "top1"
+    step_loss: Callable[[nn.Module, nn.Module, dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, float]]]
+    # (module, target, batch) -> {name: tensor} summed over batches and processes
+    eval_sums: Callable[[nn.Module, nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    # (summed tensors) -> ({"eval/...": float}, extra handed to `final_config`)
+    eval_row: Callable[[dict[str, torch.Tensor]], tuple[dict[str, float], Any]]
+    # (module, the last evaluation's extra) -> the kind's config saved in final/ (e.g. with a measured tree)
+    final_config: Callable[[nn.Module, Any], Any] = _own_config
+    # settings -> the target hidden_states indices the features carry besides the last layer (feature cache layout)
+    feature_layers: Callable[[Any], tuple[int, ...]] = _no_aux_layers
+
+    def __post_init__(self) -> None:
+        if not is_dataclass(self.settings):
+            raise TypeError(f"objective {self.name!r}: settings must be a dataclass, got {self.settings!r}")
+
+
+OBJECTIVES: Registry[Objective] = Registry("recipe", builtins="specheads.train.objectives")
+
+
+def register_objective(objective: Objective) -> Objective:
+    return OBJECTIVES.register(objective.name, objective)
