@@ -164,7 +164,7 @@ class _HFGenerate:
     def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                  stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
         if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)  # HF samples from the global RNG; reseed so every question starts alike
+            torch.manual_seed(sampling.seed)  # HF samples from the global RNG: seed it with this draw's seed
         start = time.perf_counter()
         timer = _FirstTokenTimer(start)
         ids = torch.tensor([prompt], device=self.model.device)
@@ -225,25 +225,28 @@ def run_bench(
        kernel warm-up, HF's lazy set-up).
     2. For each question, for each method: answer turn 1; for turn 2 render [user 1, the method's own
        answer 1, user 2] with the chat template and answer that.
+    With a seed, each (question, turn) draws from its own stream (`SamplingParams.for_draw`), the same for
+    every method.
     """
     if turns not in (1, 2):
         raise ValueError(f"turns must be 1 or 2, got {turns}")
     if turns == 2 and any(len(q.turns) < 2 for q in questions):
         raise ValueError("--turns 2 needs two turns per question; the questions file has single-turn questions")
 
-    def gen(name: str, prompt: list[int]) -> tuple[list[int], GenerationStats]:
-        return runners[name].generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+    def gen(name: str, prompt: list[int], q: Question, turn: int) -> tuple[list[int], GenerationStats]:
+        # Every method draws with the question's own seed, so methods compare on equal randomness.
+        return runners[name].generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling.for_draw(q.question_id, turn),
                                       stop_token_ids=stop_token_ids)
 
     for q in questions[:warmup]:
         for name in runners:
-            gen(name, render_chat(tokenizer, [q.turns[0]]))
+            gen(name, render_chat(tokenizer, [q.turns[0]]), q, 1)
     for q in questions:
         for name, runner in runners.items():
             history: list[str] = []
             for t in range(turns):
                 prompt = render_chat(tokenizer, q.turns[: t + 1], history)
-                ids, stats = gen(name, prompt)
+                ids, stats = gen(name, prompt, q, t + 1)
                 yield Record(q.question_id, q.category, t + 1, name, prompt, ids, stats, runner.measures_tau)
                 history.append(tokenizer.decode(ids, skip_special_tokens=True))
 
@@ -353,7 +356,7 @@ def measure(
     runner = _EngineRunner(Engine(target, proposer))
     records = []
     for i, prompt in enumerate(prompts):
-        ids, stats = runner.generate(list(prompt), max_new_tokens=max_new_tokens, sampling=sampling,
+        ids, stats = runner.generate(list(prompt), max_new_tokens=max_new_tokens, sampling=sampling.for_draw(i),
                                      stop_token_ids=list(stop_token_ids))
         records.append(Record(i, "", 1, name, list(prompt), ids, stats))
         if on_record is not None:

@@ -32,10 +32,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="reproducible sampling: each question, turn and sample draws from its own "
+                                            "stream derived from (seed, question_id, turn, sample)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="draw N answers per question (or prompt), recorded with their sample index; needs --temperature > 0")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    p.add_argument("--output", type=Path, help="write one JSON object per question to this JSONL file")
+    p.add_argument("--output", type=Path, help="write one JSON object per answer to this JSONL file")
     p.set_defaults(func=_run_generate)
 
 
@@ -47,15 +50,23 @@ def _run_generate(args: argparse.Namespace) -> None:
     from specheads.inference.methods import make_proposer
     from specheads.inference.proposers.draft_model import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
-    from specheads.questions import load_questions
+    from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, render_chat, stop_token_ids
 
     options = METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.num_samples > 1 and sampling.greedy:
+        raise ValueError("--num-samples N > 1 needs --temperature > 0: greedy answers are all the same")
     parse_device(args.device)
     questions = load_questions(args.questions, args.limit, args.per_category) if args.questions else None
+    if questions is not None and args.seed is not None and not sampling.greedy:
+        check_distinct_ids(questions, args.questions)  # seeded streams are keyed by question id
+    if args.turn == 2 and questions is not None and any(len(q.turns) < 2 for q in questions):
+        raise ValueError(f"--turn 2 needs two turns per question; {args.questions} has single-turn questions")
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         out_file = args.output.open("w", encoding="utf-8")  # fail now, not after minutes of generation
@@ -70,41 +81,44 @@ def _run_generate(args: argparse.Namespace) -> None:
     engine = Engine(model, make_proposer(args.method, model, options, load_draft))
     stops = stop_token_ids(tokenizer, model)
 
-    def answer(turns: list[str], stream: bool):
-        """Answer turns[0] (and then turns[1] when --turn 2), each with the method's own history."""
+    def answer(question_id, turns: list[str], sample: int, stream: bool):
+        """Answer turns[0] (and then turns[1] when --turn 2), each with the method's own history; every turn
+        draws from the stream of (seed, question_id, turn, sample)."""
         history: list[str] = []
         result = None
         for i in range(args.turn):
             ids = render_chat(tokenizer, turns[: i + 1], history)
             printer = _StreamPrinter(tokenizer) if stream and i == args.turn - 1 else None
-            result = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling,
+            result = engine.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling.for_draw(question_id, i + 1, sample),
                                      stop_token_ids=stops, on_tokens=printer)
             history.append(tokenizer.decode(result.output_ids, skip_special_tokens=True))
         return result, history[-1]
 
-    if questions is None:
-        result, text = answer([args.prompt], stream=True)
-        print(file=sys.stdout, flush=True)
-        print(json.dumps(result.stats.to_dict()), file=sys.stderr)
+    def record(question_id, sample: int, result, text: str) -> None:
         if args.output is not None:
-            out_file.write(json.dumps({"question_id": None, "output_ids": result.output_ids, "text": text,
-                                       "stats": result.stats.to_dict()}) + "\n")
+            out_file.write(json.dumps({"question_id": question_id, "sample": sample, "output_ids": result.output_ids,
+                                       "text": text, "stats": result.stats.to_dict()}) + "\n")
+            out_file.flush()
+
+    if questions is None:
+        for k in range(args.num_samples):
+            result, text = answer(None, [args.prompt], k, stream=True)
+            print(file=sys.stdout, flush=True)
+            print(json.dumps(result.stats.to_dict()), file=sys.stderr)
+            record(None, k, result, text)
+        if args.output is not None:
             out_file.close()
         return
-    if args.turn == 2 and any(len(q.turns) < 2 for q in questions):
-        raise ValueError(f"--turn 2 needs two turns per question; {args.questions} has single-turn questions")
     taus, speeds = [], []
     for q in tqdm(questions, desc=f"{args.method}", unit="q", file=sys.stderr):
-        result, text = answer(list(q.turns), stream=False)
-        taus.append(result.stats.tau)
-        speeds.append(result.stats.tokens_per_s)
-        if args.output is not None:
-            out_file.write(json.dumps({"question_id": q.question_id, "output_ids": result.output_ids, "text": text,
-                                       "stats": result.stats.to_dict()}) + "\n")
-            out_file.flush()
+        for k in range(args.num_samples):
+            result, text = answer(q.question_id, list(q.turns), k, stream=False)
+            taus.append(result.stats.tau)
+            speeds.append(result.stats.tokens_per_s)
+            record(q.question_id, k, result, text)
     if args.output is not None:
         out_file.close()
-    print(f"{args.method}: {len(questions)} questions, mean tau {sum(taus) / len(taus):.3f}, "
+    print(f"{args.method}: {len(questions)} questions x {args.num_samples} samples, mean tau {sum(taus) / len(taus):.3f}, "
           f"mean {sum(speeds) / len(speeds):.2f} tok/s", file=sys.stderr)
 
 
@@ -188,7 +202,7 @@ def _run_bench(args: argparse.Namespace) -> None:
     from specheads.inference.bench import build_runners, parse_methods, run_bench
     from specheads.inference.proposers.draft_model import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
-    from specheads.questions import load_questions
+    from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, stop_token_ids
 
     # 1. Every check that needs no model, so bad input costs no loading time.
@@ -202,6 +216,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     parse_device(args.device)
     questions = load_questions(args.questions, args.limit, args.per_category)
+    check_distinct_ids(questions, args.questions)  # results and seeded streams are keyed by question id
     if args.turns == 2 and any(len(q.turns) < 2 for q in questions):
         raise ValueError(f"--turns 2 needs two turns per question; {args.questions} has single-turn questions")
     if args.output is not None:

@@ -7,7 +7,9 @@ for exact stochastic verification).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +32,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_draw(self, question_id: int | str | None, turn: int = 1, sample: int = 0) -> SamplingParams:
+        """These parameters with the seed of one draw: derived from (seed, question_id, turn, sample), so every
+        question, turn and sample gets its own random stream, the same one run after run and whatever other
+        questions are asked. Without a seed, the global RNG already gives independent draws."""
+        if self.seed is None:
+            return self
+        key = json.dumps([self.seed, question_id, turn, sample]).encode()
+        return replace(self, seed=int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A seeded generator on `device`, or None (global RNG) when no seed is set."""

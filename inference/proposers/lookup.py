@@ -15,6 +15,7 @@ for greedy and sampling alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -63,6 +64,8 @@ class HeadsOptions:
         if self.lookup is not None and self.lookup < 0:
             raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
                              f"off), got {self.lookup}")
+        if self.heads is not None and not Path(self.heads).is_dir():  # before any model loads
+            raise ValueError(f"heads folder {self.heads} does not exist; pass the final/ folder of a training run")
 
 
 def with_lookup(proposer: Proposer, num_candidates: int | None) -> Proposer:

@@ -283,6 +283,15 @@ def test_eagle3_is_accepted_only_when_the_engine_has_it():
             parse_methods("ar,eagle3:heads")
 
 
+@pytest.fixture
+def heads_folders(tmp_path, monkeypatch):
+    """Heads folders that exist, relative to the working directory (options check them before any model loads)."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("runs/a@b/final", "runs/m/final", "runs/x/final"):
+        (tmp_path / folder).mkdir(parents=True)
+
+
+@pytest.mark.usefixtures("heads_folders")
 def test_heads_take_a_named_tree_after_an_at_sign():
     specs = parse_methods("ar,eagle:runs/a@b/final@eagle2,eagle:runs/a@b/final,medusa:runs/m/final@medusa-32")
     assert [(s.name, s.arg, s.tree) for s in specs[1:]] == [
@@ -296,6 +305,37 @@ def test_heads_take_a_named_tree_after_an_at_sign():
     ("eagle:runs/x@huge", "unknown eagle tree 'huge'; use one of: cpu, wide, eagle2"),
     ("eagle:runs/x@", "write eagle:DIR@TREE, e.g. eagle:runs/x/final@eagle2"),
 ])
+@pytest.mark.usefixtures("heads_folders")
 def test_a_bad_tree_name_is_refused_when_parsing(spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_methods(spec)
+
+
+def test_a_missing_heads_folder_is_refused_when_parsing(tmp_path):
+    with pytest.raises(ValueError, match="heads folder .*nowhere does not exist; pass the final/ folder"):
+        parse_methods(f"ar,eagle:{tmp_path / 'nowhere'}")
+
+
+class _SeedRecorder:
+    measures_tau = True
+
+    def __init__(self) -> None:
+        self.seeds: list[int | None] = []
+
+    def generate(self, prompt, *, max_new_tokens, sampling, stop_token_ids):
+        self.seeds.append(sampling.seed)
+        return [5], GenerationStats(new_tokens=1, steps=1, wall_s=0.01)
+
+
+def test_every_method_draws_with_each_questions_own_seed():
+    runners = {"a": _SeedRecorder(), "b": _SeedRecorder()}
+    questions = [Question(qid, "c", ("w5 w6", "w7")) for qid in (1, 2, "q3")]
+    list(run_bench(runners, tiny_tokenizer(), questions, max_new_tokens=1, warmup=0, turns=2,
+                   sampling=SamplingParams(temperature=1.0, seed=7), stop_token_ids=[]))
+    a, b = runners["a"].seeds, runners["b"].seeds
+    assert a == b  # methods compare on equal randomness
+    assert len(set(a)) == 6  # 3 questions x 2 turns, each its own stream
+    again = _SeedRecorder()
+    list(run_bench({"a": again}, tiny_tokenizer(), questions[1:], max_new_tokens=1, warmup=0, turns=2,
+                   sampling=SamplingParams(temperature=1.0, seed=7), stop_token_ids=[]))
+    assert again.seeds == a[2:]  # a question's stream does not depend on the others asked

@@ -38,7 +38,7 @@ def test_generate_questions_writes_jsonl(tiny_model_dir, questions_file, tmp_pat
     rows = [json.loads(line) for line in out_path.read_text().splitlines()]
     assert [r["question_id"] for r in rows] == [1, 2]
     for r in rows:
-        assert set(r) == {"question_id", "output_ids", "text", "stats"}
+        assert set(r) == {"question_id", "sample", "output_ids", "text", "stats"} and r["sample"] == 0
         assert {"new_tokens", "steps", "drafted", "accepted", "tau", "accept_per_position", "wall_s",
                 "tokens_per_s", "ttft_s"} <= set(r["stats"])
         assert r["stats"]["new_tokens"] == len(r["output_ids"]) > 0
@@ -73,8 +73,17 @@ def test_prompt_streams_text_and_prints_stats(tiny_model_dir, capsys):
     (["--method", "draft", "--draft", "early-exit:x"], "early-exit:8"),
     (["--method", "eagle", "--heads", "runs/none", "--lookup", "-1"], "--lookup must be >= 0"),
     (["--method", "ngram", "--lookup", "2"], "--lookup does not apply to --method ngram"),
+    (["--method", "eagle", "--heads", "runs/nowhere"], "heads folder runs/nowhere does not exist"),
+    (["--num-samples", "3"], "--num-samples N > 1 needs --temperature > 0"),
+    (["--num-samples", "0"], "--num-samples must be >= 1"),
 ])
-def test_bad_arguments_give_one_clear_line(tiny_model_dir, capsys, args, message):
+def test_bad_arguments_give_one_clear_line(tiny_model_dir, capsys, monkeypatch, args, message):
+    import specheads.target
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(specheads.target, "load_target", no_loading)
     code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--prompt", "w5", "--max-new-tokens", "4",
                             *args], capsys)
     assert code == 2

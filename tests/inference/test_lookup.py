@@ -79,7 +79,10 @@ def test_lookup_option_wraps_the_heads_or_not(target, tmp_path):
         proposer(lookup=-1)
 
 
-def test_bench_specs_take_a_lookup_suffix():
+def test_bench_specs_take_a_lookup_suffix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for folder in ("runs/x/final", "runs/m/final"):
+        (tmp_path / folder).mkdir(parents=True)
     specs = parse_methods("eagle:runs/x/final+lookup=0,eagle:runs/x/final@eagle2+lookup=2,medusa:runs/m/final")
     assert [(s.arg, s.tree, s.lookup) for s in specs] == [
         ("runs/x/final", None, 0), ("runs/x/final", "eagle2", 2), ("runs/m/final", None, None)]
