@@ -9,6 +9,7 @@ errors of earlier ones instead of only ever seeing the target's perfect features
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ EVAL_TOPK = 5
 @dataclass(frozen=True)
 class EagleHeadsConfig:
     """The `heads:` section of an eagle recipe: the head's shape and the objective's weights."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"eagle_layers": "num_layers"}
 
     num_layers: int = 1  # decoder layers in the head
     init_from_target_layer: int | None = None  # copy this target layer into the head (None: random init, learns faster)

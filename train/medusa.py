@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -19,6 +20,8 @@ TREE_NODES = 16  # verify budget of the static tree stored with the heads (CPU-f
 @dataclass(frozen=True)
 class MedusaHeadsConfig:
     """The `heads:` section of a medusa recipe."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"medusa_heads": "num_heads", "medusa_layers": "num_layers", "medusa_decay": "decay"}
 
     num_heads: int = 4  # K: head k guesses the token k + 2 positions ahead
     num_layers: int = 1  # residual blocks per head

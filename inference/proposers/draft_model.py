@@ -210,5 +210,5 @@ def _build(target: PreTrainedModel, options: DraftOptions, load_draft: DraftLoad
 
 register_method(Method(
     name="draft", summary="a smaller causal LM (or the target's first N layers) drafts a chain or a top-k tree",
-    options=DraftOptions, build=_build, arg="draft", arg_hint="PATH (a causal LM with the target's vocabulary) or early-exit:N",
+    options=DraftOptions, build=_build, arg="draft", arg_hint="PATH or early-exit:N",
 ))

@@ -168,6 +168,8 @@ def test_each_recipe_reads_its_own_heads_section():
     medusa = load_train_config(None, ["recipe=medusa", "heads.num_heads=3"])
     assert type(medusa.heads) is OBJECTIVES.get("medusa").settings and medusa.heads.num_heads == 3
     assert medusa.output_dir == "runs/medusa"  # the default follows the recipe
+    with pytest.raises(ValueError, match=r"config key heads.medusa_heads is now heads.num_heads; rename it"):
+        load_train_config(None, ["recipe=medusa", "heads.medusa_heads=3"])
     with pytest.raises(ValueError, match=r"unknown config key heads.'aux_layers'"):  # an eagle setting
         load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
     with pytest.raises(ValueError, match=r"the config names no recipe; add recipe: one of eagle, medusa"):
