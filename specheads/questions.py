@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,11 +60,8 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
 def check_distinct_ids(questions: list[Question], path: str | Path) -> None:
     """Refuse repeated question ids: results and seeded random streams are keyed by them, so copies under one
     id would overwrite each other's results or repeat one sample."""
-    counts: dict[int | str, int] = {}
-    for q in questions:
-        counts[q.question_id] = counts.get(q.question_id, 0) + 1
-    repeated = next(((qid, n) for qid, n in counts.items() if n > 1), None)
-    if repeated is not None:
-        raise ValueError(f"question_id {repeated[0]!r} appears {repeated[1]} times in {path}; question ids must be "
-                         "distinct (results and seeded random streams are keyed by them): give each copy its own id, "
-                         "or ask one question several times with generate --num-samples N")
+    for qid, n in Counter(q.question_id for q in questions).most_common(1):
+        if n > 1:
+            raise ValueError(f"question_id {qid!r} appears {n} times in {path}; question ids must be "
+                             "distinct (results and seeded random streams are keyed by them): give each copy its own id, "
+                             "or ask one question several times with generate --num-samples N")

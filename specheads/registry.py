@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -64,9 +63,3 @@ class Registry(Generic[T]):
     def __contains__(self, name: object) -> bool:
         self._load()
         return name in self._entries
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
-    def __len__(self) -> int:
-        return len(self.names())

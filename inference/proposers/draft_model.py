@@ -41,6 +41,14 @@ def vocab_size(model: PreTrainedModel) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def check_vocab_size(draft: PreTrainedModel, target_vocab_size: int) -> None:
+    if vocab_size(draft) != target_vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary has {vocab_size(draft)} tokens but the target's has {target_vocab_size}; "
+            "use a draft model from the target's family (same tokenizer)"
+        )
+
+
 class DraftModelProposer:
     """Drafts with any HF causal LM that shares the target's vocabulary."""
 
@@ -48,11 +56,8 @@ class DraftModelProposer:
 
     def __init__(self, model: PreTrainedModel, config: DraftConfig = DraftConfig(),
                  target_vocab_size: int | None = None) -> None:
-        if target_vocab_size is not None and vocab_size(model) != target_vocab_size:
-            raise ValueError(
-                f"the draft model's vocabulary has {vocab_size(model)} tokens but the target's has "
-                f"{target_vocab_size}; use a draft model from the target's family (same tokenizer)"
-            )
+        if target_vocab_size is not None:
+            check_vocab_size(model, target_vocab_size)
         self.model = model.eval()
         self.config = config
         self.device = next(model.parameters()).device
@@ -172,11 +177,7 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
 
 def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer) -> None:
     """A draft must map token ids to the same strings as the target, or its guesses mean nothing."""
-    if vocab_size(draft) != vocab_size(target):
-        raise ValueError(
-            f"the draft model's vocabulary has {vocab_size(draft)} tokens but the target's has {vocab_size(target)}; "
-            "use a draft model from the target's family (same tokenizer)"
-        )
+    check_vocab_size(draft, vocab_size(target))
     if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "
                          "use a draft model from the target's family")
