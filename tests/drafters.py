@@ -49,6 +49,16 @@ def _medusa(target: nn.Module) -> nn.Module:
     return perturbed(MedusaHeads(config, target.get_output_embeddings()), scale=0.2)
 
 
+def _eagle3(target: nn.Module) -> nn.Module:
+    from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = Eagle3Config(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2, 3), num_layers=2,
+                          draft_vocab=tuple(range(3, 80)))
+    return perturbed(Eagle3Head(config, target), scale=0.05).to(target.device).eval()
+
+
 @dataclass(frozen=True)
 class DrafterCase:
     make: Callable[[nn.Module], nn.Module]  # untrained heads of the kind for a tiny target, on its device
@@ -58,6 +68,7 @@ class DrafterCase:
 DRAFTERS: dict[str, DrafterCase] = {
     "eagle": DrafterCase(lambda target: random_eagle_head(target, draft_vocab=tuple(range(3, 80))),
                          [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}]),
+    "eagle3": DrafterCase(_eagle3, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0}]),
 }
 

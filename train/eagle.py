@@ -114,43 +114,65 @@ def _valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction 
     return valid
 
 
-def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    settings: EagleHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """1. Target features (no grad). 2. Noisy features in, predicted next features out, for each TTT step.
-    3. Per step: reg_weight x SmoothL1 on features + cls_weight x soft CE against the target's distribution over the
-       draft vocabulary, on the positions that count; step k weighs ttt_decay**k."""
+def target_draft_weight(target: torch.nn.Module, draft_ids: torch.Tensor | None) -> torch.Tensor:  # [Vd, H]
+    """The target's LM head rows of a draft vocabulary: the target's own distribution over what the head scores."""
+    weight = target.get_output_embeddings().weight
+    return weight if draft_ids is None else weight[draft_ids]
+
+
+def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor], *, ttt_steps: int,
+               ttt_decay: float, feature_noise: float, cls_weight: float = 1.0,
+               reg_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of a head that drafts a chain step by step (EAGLE-1 and EAGLE-3 alike).
+
+    1. Target features (no grad). 2. Noisy features in, the head's outputs out, for each TTT step.
+    3. Per step: cls_weight x soft CE of the head's draft logits (`draft_logits`) against the target's distribution
+       over the draft vocabulary, plus reg_weight x SmoothL1 between the output and the target's next feature
+       (EAGLE-1, whose outputs live in the target's feature space), on the positions that count; step k weighs
+       ttt_decay**k."""
     model = extract_model_from_parallel(head)  # DDP hides the head's own methods
     features = batch_features(target, batch, model.config.aux_layers)  # [B, T, D]
     tokens, feats, positions, counts = _inputs(batch, features)
-    last = last_layer(features, model.config.hidden_size)  # [B, T, H]: F, what the head predicts
-    if settings.feature_noise > 0:
-        feats = feats + (torch.rand_like(feats) - 0.5) * 2 * settings.feature_noise
-    outs = unroll(head, tokens, feats, positions, settings.ttt_steps)
-    weight = model.draft_weight()  # [Vd, H]
+    last = last_layer(features, model.config.hidden_size)  # [B, T, H]: F, what the target's LM head reads
+    if feature_noise > 0:
+        feats = feats + (torch.rand_like(feats) - 0.5) * 2 * feature_noise
+    outs = unroll(head, tokens, feats, positions, ttt_steps)
     wanted = last[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
     with torch.no_grad():  # so the target's distribution is computed once for all steps
+        weight = target_draft_weight(target, model.draft_ids)
         target_probs = (wanted.to(weight.dtype) @ weight.T).float().softmax(-1)  # [M0, Vd]
     total, stats, norm = 0.0, {}, 0.0
     for k, pred in enumerate(outs):
         valid = _valid(counts, k)
         keep = valid[counts]  # [M0]: which of the counted positions step k predicts
-        want, target_p = wanted[keep], target_probs[keep]  # [M, H], [M, Vd]
-        got = pred[valid]
-        reg = F.smooth_l1_loss(got, want.to(got.dtype))
-        logits = (got @ weight.T).float()  # [M, Vd]
+        target_p = target_probs[keep]  # [M, Vd]
+        got = pred[valid]  # [M, H]
+        logits = model.draft_logits(got).float()  # [M, Vd]
         ce = -(target_p * logits.log_softmax(-1)).sum(-1).mean()
-        w = settings.ttt_decay ** k
-        total = total + w * (settings.reg_weight * reg + settings.cls_weight * ce)
+        step = cls_weight * ce
+        suffix = "" if k == 0 else f"_step{k + 1}"
+        if reg_weight > 0:
+            reg = F.smooth_l1_loss(got, wanted[keep].to(got.dtype))
+            step = step + reg_weight * reg
+            stats[f"loss_reg{suffix}"] = float(reg.detach())
+        w = ttt_decay ** k
+        total = total + w * step
         norm += w
         with torch.no_grad():
             top1 = (logits.argmax(-1) == target_p.argmax(-1)).float().mean()
-        suffix = "" if k == 0 else f"_step{k + 1}"
-        stats |= {f"loss_reg{suffix}": float(reg.detach()), f"loss_ce{suffix}": float(ce.detach()), f"top1{suffix}": float(top1)}
+        stats |= {f"loss_ce{suffix}": float(ce.detach()), f"top1{suffix}": float(top1)}
     return total / norm, stats
 
 
+def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    settings: EagleHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    return chain_loss(head, target, batch, ttt_steps=settings.ttt_steps, ttt_decay=settings.ttt_decay,
+                      feature_noise=settings.feature_noise, cls_weight=settings.cls_weight,
+                      reg_weight=settings.reg_weight)
+
+
 @torch.no_grad()
-def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = EVAL_STEPS,
+def chain_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = EVAL_STEPS,
                topk: int = EVAL_TOPK) -> dict[str, torch.Tensor]:
     """Sums over the batch's counted positions: per-step top-1 / top-k agreement of the draft (over its
     vocabulary) with the target's full-vocabulary argmax, drafting as at inference (`unroll`), and the
@@ -163,13 +185,12 @@ def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.
     tokens, feats, positions, counts = _inputs(batch, features)
     steps = min(steps, tokens.shape[1])
     last = last_layer(features, head.config.hidden_size)  # [B, T, H]
-    target_next = head.logits(last[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
-    weight = head.draft_weight()  # [Vd, H]
+    target_next = target.get_output_embeddings()(last[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
     top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     width = tokens.shape[1]
     hits = torch.zeros(steps, *counts.shape, dtype=torch.bool)  # [steps, B, W] step k hit, by chain start
     for k, pred in enumerate(unroll(head, tokens, feats, positions, steps)):
-        ranked = head.token_ids((pred @ weight.T).topk(topk, dim=-1).indices)  # [B, W, topk] token ids
+        ranked = head.token_ids(head.draft_logits(pred).topk(topk, dim=-1).indices)  # [B, W, topk] token ids
         hit = ranked[..., 0] == target_next
         hitk = (ranked == target_next[..., None]).any(-1)
         valid = _valid(counts, k)
@@ -181,7 +202,7 @@ def eagle_eval(head: EagleHead, target: torch.nn.Module, batch: dict[str, torch.
             "accepted": accepted.float().reshape(1), "starts": counts.sum().float().reshape(1)}
 
 
-def eagle_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], None]:
+def chain_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], None]:
     pos = sums["positions"].clamp(min=1)
     row = {f"eval/top1_step{i + 1}": float(x) for i, x in enumerate(sums["correct_top1"] / pos)}
     row |= {f"eval/top{EVAL_TOPK}_step{i + 1}": float(x) for i, x in enumerate(sums["correct_topk"] / pos)}
@@ -191,5 +212,5 @@ def eagle_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], Non
 
 register_objective(Objective(
     name=KIND_NAME, kind=KIND_NAME, settings=EagleHeadsConfig, build=build_eagle, step_loss=eagle_step_loss,
-    eval_sums=eagle_eval, eval_row=eagle_eval_row, feature_layers=lambda settings: settings.aux_layers,
+    eval_sums=chain_eval, eval_row=chain_eval_row, feature_layers=lambda settings, num_target_layers: settings.aux_layers,
 ))

@@ -23,7 +23,7 @@ def _own_config(module: nn.Module, eval_extra: Any) -> Any:
     return module.config
 
 
-def _no_aux_layers(settings: Any) -> tuple[int, ...]:
+def _no_aux_layers(settings: Any, num_target_layers: int) -> tuple[int, ...]:
     return ()
 
 
@@ -42,8 +42,9 @@ class Objective:
     eval_row: Callable[[dict[str, torch.Tensor]], tuple[dict[str, float], Any]]
     # (module, the last evaluation's extra) -> the kind's config saved in final/ (e.g. with a measured tree)
     final_config: Callable[[nn.Module, Any], Any] = _own_config
-    # settings -> the target hidden_states indices the features carry besides the last layer (feature cache layout)
-    feature_layers: Callable[[Any], tuple[int, ...]] = _no_aux_layers
+    # (settings, the target's layer count) -> the target hidden_states indices the features carry besides the last
+    # layer (the feature cache's layout)
+    feature_layers: Callable[[Any, int], tuple[int, ...]] = _no_aux_layers
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.settings):

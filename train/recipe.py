@@ -43,6 +43,7 @@ from specheads.train.objective import OBJECTIVES, Objective
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # the run's draft vocabulary, written at its start
 
 
 def cpu_has_native_bf16() -> bool:
@@ -71,7 +72,7 @@ def _offline_collates(cfg: TrainConfig, objective: Objective, accelerator: Accel
         if accelerator.is_main_process:
             for name, ds in (("train", train_ds), ("eval", eval_ds)):
                 write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target, dtype=cfg.feature_dtype,
-                                    aux_layers=objective.feature_layers(cfg.heads))
+                                    aux_layers=objective.feature_layers(cfg.heads, target.config.get_text_config().num_hidden_layers))
     train_cache, eval_cache = FeatureCache(root / "train"), FeatureCache(root / "eval")
     return (lambda ex: collate_with_features(ex, pad, train_cache)), (lambda ex: collate_with_features(ex, pad, eval_cache))
 
@@ -109,9 +110,26 @@ def draft_vocabulary(train_ds, size: int | None, vocab: int) -> list[int] | None
     return sorted(ranked)
 
 
+def run_draft_vocabulary(cfg: TrainConfig, out: Path, train_ds, vocab_size: int, resuming: bool) -> list[int] | None:
+    """The run's draft vocabulary, fixed at its start and never silently recomputed.
+
+    A resumed run reads the one its start wrote to DRAFT_VOCAB_FILE; a fine-tune (`init_heads`) keeps its
+    starting heads' (their LM head rows, for EAGLE-3, are tied to it); otherwise it is the `draft_vocab_size`
+    most frequent assistant tokens of the training data."""
+    saved = out / DRAFT_VOCAB_FILE
+    if resuming and saved.is_file():
+        return json.loads(saved.read_text())["draft_vocab"]
+    if cfg.init_heads:
+        ids = read_checkpoint(cfg.init_heads).config.get("draft_vocab")
+        if ids is not None or cfg.draft_vocab_size is None:
+            log.info("draft vocabulary: %s ids from init_heads=%s", "all" if ids is None else len(ids), cfg.init_heads)
+            return ids
+    return draft_vocabulary(train_ds, cfg.draft_vocab_size, vocab_size)
+
+
 def init_from_heads(head: torch.nn.Module, path: str, kind: str, target: torch.nn.Module, target_name: str) -> None:
-    """Load saved heads' weights into a freshly built head of the same shape (the draft vocabulary may differ:
-    it is rebuilt from this run's data and is not a weight)."""
+    """Load saved heads' weights into a freshly built head of the same shape (built with their draft vocabulary,
+    see `run_draft_vocabulary`)."""
     ckpt = read_checkpoint(path)
     if ckpt.head_type != kind:
         raise ValueError(f"init_heads={path} holds {ckpt.head_type} heads; this recipe can only start from {kind} heads")
@@ -170,7 +188,9 @@ def train(cfg: TrainConfig) -> Path:
     eval_loader = DataLoader(eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size, collate_fn=eval_collate)
 
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    draft_vocab = draft_vocabulary(train_ds, cfg.draft_vocab_size, vocab_size)
+    draft_vocab = run_draft_vocabulary(cfg, out, train_ds, vocab_size, resuming=resume_from is not None)
+    if accelerator.is_main_process:
+        (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"draft_vocab": draft_vocab}) + "\n")
     head = objective.build(cfg.heads, target, draft_vocab)
     if cfg.init_heads and resume_from is None:
         init_from_heads(head, cfg.init_heads, objective.kind, target, cfg.target)

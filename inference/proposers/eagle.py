@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
-from specheads.heads.eagle import KIND_NAME, EagleHead
+from specheads.heads.eagle import KIND_NAME
 from specheads.inference.cache import TreeKVCache
 from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.methods import Method, option, register_method
@@ -70,15 +73,28 @@ def eagle_tree(name: str | None) -> EagleTreeConfig:
     return EAGLE_TREES[name]
 
 
+class DraftScorer(Protocol):
+    """Turns a head's outputs into draft logits over the tokens it can draft (e.g. `ContextVocabulary`)."""
+
+    def reset(self, tokens: torch.Tensor) -> None: ...  # a new request whose text so far is `tokens` [T]
+    def add(self, tokens: torch.Tensor) -> None: ...  # tokens [n] the request committed
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, H] -> [n, C] fp32
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor: ...  # indices into the C columns -> token ids
+
+
 class EagleProposer:
     needs_target_hidden = True
 
-    def __init__(self, head: EagleHead, config: EagleTreeConfig = EagleTreeConfig(), context_vocab: bool = True) -> None:
-        """With `context_vocab` the head also scores the request's own tokens outside its draft vocabulary."""
+    def __init__(self, head: nn.Module, config: EagleTreeConfig = EagleTreeConfig(), context_vocab: bool = True,
+                 vocab: DraftScorer | None = None) -> None:
+        """`head` is an EAGLE head or any module drafting the same way (`forward(tokens, features, positions, mask,
+        cache)`, `select_features`, `layer_config`, `fc`). `vocab` scores its outputs; by default the target's LM
+        head over the head's draft vocabulary, plus (with `context_vocab`) the request's own tokens outside it."""
         self.head = head.eval()
         self.config = config
         self.device = next(head.parameters()).device
-        self.vocab = ContextVocabulary(head.lm_head.weight.detach(), head.draft_ids, enabled=context_vocab)
+        self.vocab = vocab if vocab is not None else ContextVocabulary(head.lm_head.weight.detach(), head.draft_ids,
+                                                                       enabled=context_vocab)
         self._cache: TreeKVCache | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # target features [m, D], tokens [m]
         self._n_pairs = 0  # committed (feature, token) pairs in the head cache
@@ -226,17 +242,19 @@ class EagleOptions(HeadsOptions):
         eagle_tree(self.tree)  # a bad name fails before anything loads
 
 
-def _build(target, options: EagleOptions, load_draft) -> Proposer:
+def tree_proposer(target, options: EagleOptions, kind: str,
+                  scorer: Callable[[nn.Module], DraftScorer | None] = lambda head: None) -> Proposer:
+    """The `kind` heads in `options.heads` drafting the tree `options` name, prompt lookup grafted on."""
     base = eagle_tree(options.tree)
-    head = load_drafter(options.heads, target, kind=KIND_NAME)
+    head = load_drafter(options.heads, target, kind=kind)
     tree = EagleTreeConfig(depth=options.depth or base.depth, topk=options.topk or base.topk,
                            total_tokens=options.total_tokens or base.total_tokens,
                            min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
                            else options.min_expected_accepted)
-    return with_lookup(EagleProposer(head, tree), options.lookup)
+    return with_lookup(EagleProposer(head, tree, vocab=scorer(head)), options.lookup)
 
 
 register_method(Method(
     name=KIND_NAME, summary="EAGLE heads drafting an EAGLE-2 dynamic tree, prompt lookup grafted on",
-    options=EagleOptions, build=_build, arg="heads", arg_hint="DIR", trees=EAGLE_TREES,
+    options=EagleOptions, build=lambda target, options, load_draft: tree_proposer(target, options, KIND_NAME), arg="heads", arg_hint="DIR", trees=EAGLE_TREES,
 ))

@@ -20,16 +20,15 @@ cover only those tokens; `token_ids` maps logit indices back to token ids.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from specheads.features import check_aux_layers, feature_rows, feature_width
+from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
-from specheads.hf import cache_kwargs, decoder_of, text_config
+from specheads.hf import cache_kwargs, decoder_of, draft_layer_config
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "eagle"
@@ -56,16 +55,9 @@ class EagleConfig:
 class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig, target: nn.Module) -> None:
         super().__init__()
-        tcfg = text_config(target)
-        if tcfg.hidden_size != config.hidden_size:
-            raise ValueError(f"eagle hidden_size {config.hidden_size} != target hidden size {tcfg.hidden_size}")
-        check_aux_layers(config.aux_layers, tcfg.num_hidden_layers)
+        layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, KIND_NAME)
         self.config = config
         decoder = decoder_of(target)
-        layer_cfg = copy.deepcopy(tcfg)
-        layer_cfg.num_hidden_layers = config.num_layers
-        if getattr(layer_cfg, "layer_types", None):
-            layer_cfg.layer_types = layer_cfg.layer_types[: config.num_layers]
         layer_cls = type(decoder.layers[0])
         dtype = next(target.parameters()).dtype
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True, dtype=dtype)
@@ -144,12 +136,12 @@ class EagleHead(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V] over the full vocabulary
-        return self.lm_head(hidden)
-
     def draft_weight(self) -> torch.Tensor:  # [Vd, H]: the LM head rows of the draft vocabulary
         weight = self.lm_head.weight
         return weight if self.draft_ids is None else weight[self.draft_ids]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
+        return hidden @ self.draft_weight().T
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into the draft logits -> token ids
         return index if self.draft_ids is None else self.draft_ids[index]

@@ -275,12 +275,14 @@ def test_bad_input_fails_before_loading_a_model(tiny_model_dir, questions_file, 
     assert last.startswith("specheads bench: error:") and message.format(**subs) in last
 
 
-def test_eagle3_is_accepted_only_when_the_engine_has_it():
-    if "eagle3" in METHODS:
-        assert parse_methods("ar,eagle3:heads")[1].method == "eagle3"
-    else:
-        with pytest.raises(ValueError, match=r"unknown method 'eagle3' in --methods; valid: ar"):
-            parse_methods("ar,eagle3:heads")
+@pytest.mark.usefixtures("heads_folders")
+def test_every_registered_heads_method_is_a_bench_method():
+    for name, method in METHODS.items():
+        if method.arg == "heads":
+            spec = parse_methods(f"ar,{name}:runs/x/final")[1]
+            assert (spec.method, spec.arg) == (name, "runs/x/final")
+    with pytest.raises(ValueError, match=r"unknown method 'eagle4' in --methods; valid: ar"):
+        parse_methods("ar,eagle4:runs/x/final")
 
 
 @pytest.fixture

@@ -6,15 +6,20 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specheads.train.eagle import EagleHeadsConfig, build_eagle, eagle_eval, eagle_step_loss, ttt_mask, unroll
+from specheads.heads.eagle import EagleConfig
+from specheads.train.eagle import EagleHeadsConfig, build_eagle, chain_eval, eagle_step_loss, ttt_mask, unroll
+from specheads.train.eagle3 import Eagle3HeadsConfig, build_eagle3, eagle3_step_loss
 from tests.conftest import tiny_model
 
 
-@pytest.fixture(params=[(), (1, 2)], ids=["eagle1", "aux-layers"])
+@pytest.fixture(params=["eagle1", "aux-layers", "eagle3"])
 def head_and_inputs(request):
     target = tiny_model("llama", seed=0)
     torch.manual_seed(1)
-    head = build_eagle(_cfg(aux_layers=request.param), target).eval()
+    if request.param == "eagle3":  # two layers, so the later standard layers see the cache and masks too
+        head = build_eagle3(Eagle3HeadsConfig(aux_layers=(1, 2, 3), num_layers=2), target).eval()
+    else:
+        head = build_eagle(_cfg(aux_layers=() if request.param == "eagle1" else (1, 2)), target).eval()
     with torch.no_grad():  # a head that is not the identity, so wrong attention shows in the outputs
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -47,6 +52,8 @@ def test_unroll_equals_sequential_drafting_with_a_cache(head_and_inputs):
 
 def test_ttt_loss_trains_every_step_and_its_first_step_is_eagle1(head_and_inputs):
     target, head, tokens, _, _ = head_and_inputs
+    if not isinstance(head.config, EagleConfig):
+        pytest.skip("EAGLE-1's feature loss; test_eagle3_loss covers EAGLE-3")
     batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
     head.train()
     loss, stats = eagle_step_loss(head, target, batch, _cfg(ttt_steps=3))
@@ -65,10 +72,27 @@ def test_ttt_loss_trains_every_step_and_its_first_step_is_eagle1(head_and_inputs
 def test_eval_counts_chains_from_the_target_choices(head_and_inputs):
     target, head, tokens, _, _ = head_and_inputs
     batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
-    sums = eagle_eval(head, target, batch, steps=3)
+    sums = chain_eval(head, target, batch, steps=3)
     assert sums["positions"].tolist() == [22.0, 20.0, 18.0]  # 2 rows x (11 - k) chain starts
     assert (sums["correct_top1"] <= sums["correct_topk"]).all()
     assert 0 <= sums["accepted"].item() <= 3 * sums["starts"].item()
+
+
+def test_eagle3_loss_is_the_decayed_ce_of_every_step_and_trains_the_own_lm_head():
+    target = tiny_model("llama", seed=0)
+    torch.manual_seed(1)
+    head = build_eagle3(Eagle3HeadsConfig(aux_layers=(1, 2, 3), ttt_steps=3, ttt_decay=0.5), target,
+                        draft_vocab=list(range(3, 60)))
+    tokens = torch.randint(3, 96, (2, 12))
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
+    loss, st = eagle3_step_loss(head, target, batch, head_settings := Eagle3HeadsConfig(aux_layers=(1, 2, 3),
+                                                                                         ttt_steps=3, ttt_decay=0.5))
+    assert head_settings.ttt_steps == 3 and "loss_reg" not in st
+    want = (st["loss_ce"] + 0.5 * st["loss_ce_step2"] + 0.25 * st["loss_ce_step3"]) / 1.75
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
+    loss.backward()
+    for name in ("fc.weight", "lm_head.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"):
+        assert head.get_parameter(name).grad.abs().sum() > 0, name
 
 
 def _cfg(**heads) -> EagleHeadsConfig:

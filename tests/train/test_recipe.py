@@ -65,6 +65,44 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     assert 0 < drafted_per_step[None] < drafted_per_step["wide"] < drafted_per_step["eagle2"], drafted_per_step
 
 
+def test_eagle3_recipe_lowers_the_loss_decodes_exactly_and_keeps_its_draft_vocabulary(tiny_run_inputs, tmp_path):
+    e3 = ("recipe=eagle3", "heads.aux_layers=[1,2,3]", "draft_vocab_size=40")
+    out = tmp_path / "e3"
+    assert train_main(base_args(tiny_run_inputs, out, *e3, "max_steps=24", "save_every=24", "eval_every=12",
+                                "optim.lr=0.01")) == 0
+    losses = train_losses(out)
+    assert sum(losses[s] for s in (22, 23, 24)) < 0.85 * sum(losses[s] for s in (1, 2, 3)), losses
+    cfg = json.loads((out / "final" / "config.json").read_text())
+    vocab = cfg["config"]["draft_vocab"]
+    assert cfg["head_type"] == "eagle3" and len(vocab) == 40 and cfg["config"]["aux_layers"] == [1, 2, 3]
+    assert json.loads((out / "draft_vocab.json").read_text())["draft_vocab"] == vocab
+
+    from specheads.inference import Engine
+    from specheads.inference.methods import METHODS, make_proposer
+    from specheads.inference.proposers import AutoregressiveProposer
+    from specheads.target import load_target
+
+    target, _ = load_target(str(tiny_run_inputs[0]))
+    prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
+    heads = Engine(target, make_proposer("eagle3", target, METHODS.get("eagle3").make_options(
+        {"heads": str(out / "final"), "lookup": 0}), None)).generate(prompt, max_new_tokens=32)
+    assert heads.output_ids == plain.output_ids and heads.stats.drafted > 0
+
+    # On other conversations a fresh run picks another draft vocabulary; a fine-tune keeps its heads' own
+    # (their LM head rows are tied to it), and a resume keeps the one its run started with.
+    other = ("data.skip_conversations=24", "max_steps=1", "save_every=1")
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "fresh", *e3, *other)) == 0
+    fresh = json.loads((tmp_path / "fresh" / "draft_vocab.json").read_text())["draft_vocab"]
+    assert fresh != vocab
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "ft", *e3, *other, f"init_heads={out / 'final'}")) == 0
+    assert json.loads((tmp_path / "ft" / "final" / "config.json").read_text())["config"]["draft_vocab"] == vocab
+    (tmp_path / "fresh" / "draft_vocab.json").write_text(json.dumps({"draft_vocab": vocab}))
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "fresh", *e3, "data.skip_conversations=24",
+                                "max_steps=2", "save_every=1", "resume=true")) == 0
+    assert json.loads((tmp_path / "fresh" / "final" / "config.json").read_text())["config"]["draft_vocab"] == vocab
+
+
 def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_inputs, tmp_path):
     out = tmp_path / "medusa"
     assert train_main(base_args(tiny_run_inputs, out, "recipe=medusa", "heads.num_heads=2", "max_steps=20",

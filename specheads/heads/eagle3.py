@@ -1,0 +1,194 @@
+"""EAGLE-3 draft head, laid out exactly as vLLM's `speculators` package defines `eagle3` (so it exports and
+imports without conversion of the maths, only of names).
+
+At position t the head reads three (by default) intermediate target layers at t and the embedding of token
+x_{t+1}, and drafts x_{t+2} with its own LM head over a reduced draft vocabulary:
+
+    g = fc(cat(h_a, h_b, h_c))                                        fc: 3H -> H, no bias
+    x = cat(input_layernorm(embed(x_{t+1})), hidden_norm(g))          2H wide: the first layer's q/k/v read 2H
+    x = g + attn(x); x = x + mlp(post_attention_layernorm(x))         residual: g (hidden_norm(g) with norm_before_residual)
+    ... further standard decoder layers ...
+    logits = lm_head(norm(x))                                         over the draft vocabulary only
+
+Unlike EAGLE-1 it predicts tokens, not features: later draft steps read the head's own pre-norm output `x`
+(post-norm with `norm_output`) in place of `g`. Options of speculators kept as they are: `norm_before_fc`
+(one RMSNorm over the concatenated aux states, `input_norm`), `fc_norm` (one RMSNorm per aux state),
+`norm_before_residual`, `norm_output`.
+
+The decoder layers are the target architecture's own classes (the first one with its q/k/v widened and a
+`hidden_norm` added), so parameter names match speculators' checkpoints one for one. The token embedding
+is the target's, frozen and not saved; the LM head and final norm are the head's own and start as the
+target's (its LM head rows of the draft vocabulary, its final norm).
+
+Draft vocabulary: `draft_vocab` lists the target token ids of the LM head's rows, sorted. speculators
+writes the same mapping as `d2t` (target id = draft index + d2t[index]) and `t2d` (a mask over the
+target vocabulary); `eagle3_mappings` converts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from specheads.features import feature_rows, feature_width
+from specheads.heads.draft_vocab import check_draft_vocab
+from specheads.hf import cache_kwargs, decoder_of, draft_layer_config
+from specheads.kinds import DrafterKind, register_kind
+
+KIND_NAME = "eagle3"
+
+# Fields of the draft layer's HF config a drafter may set apart from its target's (an imported drafter's
+# transformer_layer_config can differ in these); anything else is the target's.
+LAYER_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "hidden_act", "attention_bias", "mlp_bias", "rope_parameters", "max_position_embeddings")
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers (speculators' and vLLM's default): hidden_states 2, L//2, L-3."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """What an EAGLE-3 head is; saved as its checkpoint's `config`."""
+
+    hidden_size: int  # the target's hidden size H (also the head's)
+    vocab_size: int  # rows of the target's LM head (the target vocabulary)
+    aux_layers: tuple[int, ...]  # target hidden_states indices fused by fc (speculators' eagle_aux_hidden_state_layer_ids)
+    num_layers: int = 1  # decoder layers in the head; the first reads 2H
+    draft_vocab: tuple[int, ...] | None = None  # target ids of the LM head's rows, sorted; None: the whole vocabulary
+    norm_before_residual: bool = False  # the first layer's residual is hidden_norm(g) instead of g
+    norm_before_fc: bool = False  # one RMSNorm over cat(aux states) before fc (`input_norm`)
+    fc_norm: bool = False  # one RMSNorm per aux state before fc (`fc_norm.i`)
+    norm_output: bool = False  # later draft steps read the post-norm output (speculators' "Eagle 3.1")
+    layer: dict[str, Any] = field(default_factory=dict)  # draft layer config fields set apart from the target's
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"eagle3 num_layers must be >= 1, got {self.num_layers}")
+        object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
+        if not self.aux_layers:
+            raise ValueError("eagle3 aux_layers must name at least one target layer (default: 2, L//2, L-3)")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("eagle3 norm_before_fc and fc_norm exclude each other: set one of them")
+        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, KIND_NAME))
+        unknown = sorted(set(self.layer) - set(LAYER_FIELDS))
+        if unknown:
+            raise ValueError(f"eagle3 layer may only set {', '.join(LAYER_FIELDS)}; got {unknown}")
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+
+
+def eagle3_mappings(draft_vocab: tuple[int, ...], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """speculators' (d2t [Vd] int64 offsets, t2d [V] bool) for a sorted draft vocabulary."""
+    ids = torch.tensor(draft_vocab, dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(len(ids)), t2d
+
+
+def draft_vocab_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """Target id of each draft row (speculators' and SGLang's d2t holds offsets: target = index + d2t[index])."""
+    return d2t.long() + torch.arange(d2t.shape[0])
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Eagle3Config, target: nn.Module) -> None:
+        super().__init__()
+        layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, KIND_NAME,
+                                       config.layer)
+        self.config = config
+        decoder = decoder_of(target)
+        self.layer_config = layer_cfg
+        dtype = next(target.parameters()).dtype
+        h, n, eps = config.hidden_size, len(config.aux_layers), layer_cfg.rms_norm_eps
+        norm_cls = type(decoder.norm)
+        if config.norm_before_fc:
+            self.input_norm = norm_cls(n * h, eps=eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(norm_cls(h, eps=eps) for _ in range(n))
+        self.fc = nn.Linear(n * h, h, bias=False)
+        self.layers = nn.ModuleList(type(decoder.layers[0])(layer_cfg, layer_idx=i) for i in range(config.num_layers))
+        first = self.layers[0]
+        for name in ("q_proj", "k_proj", "v_proj"):  # the first layer reads cat(embedding, hidden): 2H
+            old = getattr(first.self_attn, name)
+            setattr(first.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        first.hidden_norm = norm_cls(h, eps=eps)
+        self.norm = norm_cls(h, eps=eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
+        self._frozen = (target.get_input_embeddings(),)  # shared, frozen, outside this module's parameters
+        ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab, dtype=torch.long)
+        self.register_buffer("draft_ids", ids, persistent=False)  # [Vd] or None; rebuilt from the config
+        with torch.no_grad():  # start from the target's own next-token head
+            rows = target.get_output_embeddings().weight
+            self.lm_head.weight.copy_(rows if ids is None else rows[ids.to(rows.device)])
+            self.norm.weight.copy_(decoder.norm.weight)
+        for name, module in self.named_children():
+            if name != "rotary_emb":  # its inverse frequencies stay fp32, as in the target
+                module.to(dtype)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._frozen[0]
+
+    @property
+    def feature_width(self) -> int:  # D: the aux layers and the last layer, the feature rows every drafter reads
+        return feature_width(self.config.hidden_size, self.config.aux_layers)
+
+    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., D]
+        return feature_rows(hidden_states, self.config.aux_layers)
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., H]: fc over the aux states
+        aux = features[..., : -self.config.hidden_size]  # the last layer's columns are the training target, not an input
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(aux)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] tokens x_{t+1}
+        features: torch.Tensor,  # [B, T, D] target features (fused here) or [B, T, H] the head's own outputs
+        position_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,  # [B, 1, T, S] additive; None = causal, no cache prefix
+        cache: Any = None,  # an HF Cache holding earlier positions (inference, training-time test)
+    ) -> torch.Tensor:  # [B, T, H]: what the next draft step reads; draft_logits turns it into tokens
+        with torch.no_grad():
+            emb = self.embed_tokens(input_ids)
+        hidden = features if features.shape[-1] == self.config.hidden_size else self.fuse_features(features)
+        pos = self.rotary_emb(hidden, position_ids=position_ids)
+        extra = cache_kwargs(self.layers[0], cache) if cache is not None else {}
+        first = self.layers[0]
+        residual = hidden
+        normed = first.hidden_norm(hidden)
+        if self.config.norm_before_residual:
+            residual = normed
+        x = torch.cat([first.input_layernorm(emb.to(hidden.dtype)), normed], dim=-1)
+        attn = first.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                               position_embeddings=pos, **extra)
+        x = residual + (attn[0] if isinstance(attn, tuple) else attn)
+        x = x + first.mlp(first.post_attention_layernorm(x))
+        for layer in self.layers[1:]:
+            out = layer(x, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=pos, **extra)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.norm(x) if self.config.norm_output else x
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into the draft logits -> token ids
+        return index if self.draft_ids is None else self.draft_ids[index]
+
+
+register_kind(DrafterKind(
+    name=KIND_NAME, config=Eagle3Config, build=Eagle3Head, module=Eagle3Head,
+    summary="EAGLE-3 heads: tokens from three fused target layers with an own draft-vocabulary LM head "
+            "(speculators' eagle3 layout), drafting an EAGLE-2 dynamic tree",
+))
