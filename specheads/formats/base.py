@@ -1,0 +1,146 @@
+"""Other engines' checkpoint formats: exporters write a drafter in them, importers read one back as ours.
+
+An `Exporter` turns one of our checkpoints of one kind into the files a serving engine loads (`--to FORMAT`);
+an `Importer` recognises a foreign folder by its config and tensor names and converts it into our
+`Checkpoint` in memory, so everything that loads heads (`load_drafter`, hence `--heads`) reads it unchanged,
+through the same strict shape checks. Each drafter kind registers its formats from its own file here.
+
+Every export is checked on write against the names and shapes the engine's loader reads (`check_export`):
+a missing tensor, a wrong shape, or a tensor the loader would silently drop is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specheads.heads.checkpoint import Checkpoint
+from specheads.registry import Registry
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What an exporter knows besides the checkpoint."""
+
+    target_config: Any  # the target's HF text config (a PretrainedConfig): sizes and architecture of the draft layers
+    verifier: str  # the target's name for the serving engine: a Hub id or a path it can read
+    speculative_tokens: int = 3  # draft depth written where a format records one
+
+
+@dataclass(frozen=True)
+class Exporter:
+    format: str  # `specheads export --to FORMAT`
+    kind: str  # the drafter kind it writes
+    loader: str  # what reads the result, for messages and the model card
+    # (checkpoint, output folder, context) -> the file names written; a ValueError naming the fix when it cannot
+    write: Callable[[Checkpoint, Path, ExportContext], list[str]]
+    serve: str = ""  # the command that serves an export in DIR, with {verifier}: for the model card
+
+
+@dataclass(frozen=True)
+class Importer:
+    layout: str  # a name for messages, e.g. "speculators eagle3"
+    needs: str  # what identifies the layout, for the message when nothing matches
+    detect: Callable[[Mapping[str, Any]], bool]  # config.json -> whether it is this layout
+    # (folder, config.json, tensors, target layer count or None) -> our checkpoint
+    read: Callable[[Path, Mapping[str, Any], dict[str, torch.Tensor], int | None], Checkpoint]
+
+
+EXPORTERS: Registry[Exporter] = Registry("export format", builtins="specheads.formats")
+IMPORTERS: Registry[Importer] = Registry("checkpoint layout", builtins="specheads.formats")
+
+
+def register_exporter(exporter: Exporter) -> Exporter:
+    return EXPORTERS.register(f"{exporter.format}/{exporter.kind}", exporter)
+
+
+def register_importer(importer: Importer) -> Importer:
+    return IMPORTERS.register(importer.layout, importer)
+
+
+def export_formats() -> list[str]:
+    """Every `--to` name, in registration order."""
+    return list(dict.fromkeys(e.format for _, e in EXPORTERS.items()))
+
+
+def exporter_for(fmt: str, kind: str) -> Exporter:
+    """The exporter writing `kind` heads as `fmt`; a ValueError naming the formats that can, when none does."""
+    key = f"{fmt}/{kind}"
+    if key in EXPORTERS:
+        return EXPORTERS.get(key)
+    if fmt not in export_formats():
+        raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(export_formats())}")
+    able = [e.format for _, e in EXPORTERS.items() if e.kind == kind]
+    raise ValueError(f"--to {fmt} cannot express {kind} heads ({fmt} has no such drafter type); "
+                     f"{kind} heads export to: {', '.join(able) or 'no other format'}")
+
+
+def import_folder(folder: Path, meta: Mapping[str, Any], num_target_layers: int | None = None) -> Checkpoint:
+    """A foreign checkpoint folder as our Checkpoint; a ValueError naming what was looked for when no layout fits."""
+    for _, importer in IMPORTERS.items():
+        if importer.detect(meta):
+            return importer.read(folder, meta, read_weights(folder), num_target_layers)
+    known = "; ".join(f"{i.layout} ({i.needs})" for _, i in IMPORTERS.items())
+    raise ValueError(f"{folder} holds no drafter layout specheads reads: its config.json has no 'head_type' (our "
+                     f"format) and matches none of: {known}. Pass a specheads training run's final/ folder or one of those")
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF-style folder: model.safetensors, sharded *.safetensors with an index, or pickled
+    .bin/.pt files read with torch.load(weights_only=True) (never arbitrary pickles)."""
+    files = sorted(folder.glob("*.safetensors"))
+    pickled = sorted([*folder.glob("*.bin"), *folder.glob("*.pt")])
+    if not files and not pickled:
+        raise ValueError(f"{folder} has no weights (*.safetensors, *.bin or *.pt); it is incomplete")
+    state: dict[str, torch.Tensor] = {}
+    for path in files or pickled:
+        try:
+            part = load_file(path, device="cpu") if path.suffix == ".safetensors" else \
+                torch.load(path, map_location="cpu", weights_only=True)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+            raise ValueError(f"{path} is corrupt or not plain tensors ({err}); re-download it") from err
+        if not isinstance(part, dict):
+            raise ValueError(f"{path} does not hold a dict of tensors; re-download it")
+        state.update(part)
+    return state
+
+
+def check_export(state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], loader: str) -> None:
+    """Refuse an export unless it has exactly the tensors `loader` reads, with their shapes."""
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing:
+        raise ValueError(f"export for {loader} lacks tensors {missing[:4]} that its loader reads")
+    if extra:
+        raise ValueError(f"export for {loader} has tensors {extra[:4]} that its loader would silently drop")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise ValueError(f"export for {loader}: tensor {name!r} has shape {tuple(state[name].shape)}, its loader "
+                             f"expects {tuple(shape)}")
+
+
+def write_folder(folder: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> list[str]:
+    """config.json and model.safetensors in `folder` (created); returns the file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"  # serialise first: a bad config touches no file
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(text, encoding="utf-8")
+    return ["config.json", "model.safetensors"]
+
+
+def layer_config_dict(target_config: Any, num_layers: int, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The target's HF config as a dict, cut to a draft head's depth, with the head's own layer settings."""
+    data = {k: v for k, v in target_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    data["num_hidden_layers"] = num_layers
+    if data.get("layer_types"):
+        data["layer_types"] = data["layer_types"][:num_layers]
+    data.update(overrides)
+    return data
