@@ -288,6 +288,52 @@ def _run_bench(args: argparse.Namespace) -> None:
         raise KeyboardInterrupt
 
 
+def _add_export(sub) -> None:
+    from specheads.formats import export_formats
+    from specheads.formats.export import HF_FORMAT
+
+    formats = [HF_FORMAT, *export_formats()]
+    p = sub.add_parser("export", help="write trained heads in a format vLLM, SGLang or the Hub reads",
+                       description="Write a training run's heads (or a heads folder) in another engine's format into a "
+                                   "new folder, checked against what that engine's loader reads; optionally push it "
+                                   "to the Hugging Face Hub.")
+    p.add_argument("source", metavar="RUN_OR_HEADS_DIR", help="a training run's output_dir or a heads folder")
+    p.add_argument("--to", dest="fmt", required=True, choices=formats,
+                   help=f"{HF_FORMAT}: our format and a model card; " + "; ".join(_format_help()))
+    p.add_argument("--output", required=True, help="a new (or empty) folder for the export")
+    p.add_argument("--target", help="the target whose config the draft layers take (default: the one the heads were "
+                                    "trained for)")
+    p.add_argument("--verifier", help="the target's name written for the serving engine (default: the trained-for "
+                                      "target; the default target's Hub id)")
+    p.add_argument("--speculative-tokens", type=int, default=3, help="draft depth recorded where a format keeps one")
+    p.add_argument("--push-to-hub", metavar="ORG/NAME", help="also publish the export as this Hub model repo")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    p.set_defaults(func=_run_export)
+
+
+def _format_help() -> list[str]:
+    from specheads.formats import EXPORTERS
+
+    by_format: dict[str, list[str]] = {}
+    for _, e in EXPORTERS.items():
+        by_format.setdefault(e.format, []).append(f"{e.kind} heads for {e.loader}")
+    return [f"{fmt}: {', '.join(what)}" for fmt, what in by_format.items()]
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from specheads.formats.export import export
+    from specheads.hub import push_folder
+
+    if args.private and not args.push_to_hub:
+        raise ValueError("--private applies to --push-to-hub ORG/NAME only")
+    done = export(args.source, args.fmt, args.output, target=args.target, verifier=args.verifier,
+                  speculative_tokens=args.speculative_tokens)
+    print(f"wrote {args.fmt} export to {done.folder}: {', '.join(done.files)} (verifier {done.verifier})")
+    if args.push_to_hub:
+        url = push_folder(done.folder, args.push_to_hub, private=args.private)
+        print(f"pushed to {args.push_to_hub}: {url}")
+
+
 def _train_passthrough(argv: list[str]) -> int:
     """`specheads train ...` runs the training recipe as its own module, so the engine never imports training code."""
     import os
@@ -304,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     _add_generate(sub)
     _add_bench(sub)
+    _add_export(sub)
     return parser
 
 

@@ -28,7 +28,7 @@ def resolve_heads(path: str | os.PathLike) -> Path:
 
     try:
         return Path(snapshot_download(repo_id=str(path)))
-    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError) as err:
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
         raise ValueError(f"{path} is neither a local folder nor a Hub repo that could be fetched ({type(err).__name__}: "
                          f"{str(err).splitlines()[0]}); check the name, the network, or HF_HUB_OFFLINE with a cached copy") from None
 
@@ -49,7 +49,7 @@ def push_folder(folder: Path, repo_id: str, *, private: bool = False, token: str
     except HfHubHTTPError as err:
         raise ValueError(f"pushing to the Hub repo {repo_id} failed ({str(err).splitlines()[0]}); the export in "
                          f"{folder} is intact: log in (`hf auth login` or HF_TOKEN) and retry") from None
-    except OSError as err:  # no network, refused connection
+    except Exception as err:  # no network or a refused connection: the HTTP client's own transport errors
         raise ValueError(f"cannot reach the Hub to push {repo_id} ({type(err).__name__}: {err}); the export in "
                          f"{folder} is intact: retry with network") from None
     return str(getattr(info, "commit_url", info))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specheads.hub import looks_like_repo_id
 from specheads.inference.methods import option
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.ngram import NgramConfig, find_continuations
@@ -56,7 +57,8 @@ class WithPromptLookup:
 class HeadsOptions:
     """Options every method drafting from trained heads takes; a kind's options extend these."""
 
-    heads: str | None = option("trained heads folder (a training run's final/)")
+    heads: str | None = option("trained heads: a training run's final/ folder, a speculators or SGLang EAGLE-3 folder, "
+                               "or a Hub repo id of one")
     lookup: int | None = option(f"prompt-lookup continuations grafted onto the heads' tree (default "
                                 f"{DEFAULT_LOOKUP.num_candidates}; 0 = the heads alone)")
 
@@ -64,8 +66,9 @@ class HeadsOptions:
         if self.lookup is not None and self.lookup < 0:
             raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
                              f"off), got {self.lookup}")
-        if self.heads is not None and not Path(self.heads).is_dir():  # before any model loads
-            raise ValueError(f"heads folder {self.heads} does not exist; pass the final/ folder of a training run")
+        if self.heads is not None and not Path(self.heads).is_dir() and not looks_like_repo_id(self.heads):
+            raise ValueError(f"heads folder {self.heads} does not exist; pass the final/ folder of a training run "
+                             "or a Hub repo id (ORG/NAME)")  # before any model loads
 
 
 def with_lookup(proposer: Proposer, num_candidates: int | None) -> Proposer:

@@ -12,6 +12,7 @@ a missing tensor, a wrong shape, or a tensor the loader would silently drop is r
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ class Importer:
     read: Callable[[Path, Mapping[str, Any], dict[str, torch.Tensor], int | None], Checkpoint]
 
 
+HF_FORMAT = "hf"  # our own format plus a model card: every kind exports to it (`specheads.formats.export`)
+
 EXPORTERS: Registry[Exporter] = Registry("export format", builtins="specheads.formats")
 IMPORTERS: Registry[Importer] = Registry("checkpoint layout", builtins="specheads.formats")
 
@@ -76,10 +79,10 @@ def exporter_for(fmt: str, kind: str) -> Exporter:
     if key in EXPORTERS:
         return EXPORTERS.get(key)
     if fmt not in export_formats():
-        raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(export_formats())}")
-    able = [e.format for _, e in EXPORTERS.items() if e.kind == kind]
+        raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join([HF_FORMAT, *export_formats()])}")
+    able = [HF_FORMAT] + [e.format for _, e in EXPORTERS.items() if e.kind == kind]
     raise ValueError(f"--to {fmt} cannot express {kind} heads ({fmt} has no such drafter type); "
-                     f"{kind} heads export to: {', '.join(able) or 'no other format'}")
+                     f"{kind} heads export to: {', '.join(able)}")
 
 
 def import_folder(folder: Path, meta: Mapping[str, Any], num_target_layers: int | None = None) -> Checkpoint:
@@ -104,8 +107,8 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
         try:
             part = load_file(path, device="cpu") if path.suffix == ".safetensors" else \
                 torch.load(path, map_location="cpu", weights_only=True)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-            raise ValueError(f"{path} is corrupt or not plain tensors ({err}); re-download it") from err
+        except (SafetensorError, OSError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
+            raise ValueError(f"{path} is corrupt or not plain tensors ({str(err).splitlines()[0]}); re-download it") from None
         if not isinstance(part, dict):
             raise ValueError(f"{path} does not hold a dict of tensors; re-download it")
         state.update(part)

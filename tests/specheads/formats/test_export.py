@@ -1,0 +1,167 @@
+"""Exports and imports: every registered format roundtrips to identical drafts, every export is checked
+against its loader's names, bad input is refused by name, and --push-to-hub talks to a Hub on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specheads.formats import EXPORTERS
+from specheads.formats.export import export
+from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.hub import push_folder
+from specheads.inference.cli import main as cli_main
+from tests.conftest import repetitive_prompt, start_proposer, tiny_model
+from tests.drafters import DRAFTERS, proposer_for
+from tests.specheads.formats.hub_stub import TOKEN, HubStub
+
+FORMATS = [(e.format, e.kind) for _, e in EXPORTERS.items()]
+
+
+@pytest.fixture
+def target_dir(tmp_path):
+    target = tiny_model("llama")
+    target.save_pretrained(tmp_path / "target")
+    return target, tmp_path / "target"
+
+
+def saved(kind, target, target_path, folder):
+    heads = DRAFTERS[kind].make(target)
+    save_drafter(folder, heads, TargetInfo.from_model(target, str(target_path)))
+    return heads
+
+
+def drafts(kind, target, folder):
+    proposer = proposer_for(kind, target, folder, {"lookup": 0})
+    ctx = start_proposer(proposer, target, repetitive_prompt())
+    tree = proposer.propose(ctx)
+    return tree.tokens.tolist(), tree.parents.tolist()
+
+
+@pytest.mark.parametrize(("fmt", "kind"), [("hf", k) for k in DRAFTERS] + FORMATS)
+def test_export_then_import_drafts_identically(fmt, kind, target_dir, tmp_path):
+    target, target_path = target_dir
+    saved(kind, target, target_path, tmp_path / "heads")
+    done = export(tmp_path / "heads", fmt, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").is_file() and done.verifier == str(target_path)
+    assert drafts(kind, target, tmp_path / "out") == drafts(kind, target, tmp_path / "heads")
+    if fmt == "hf":
+        card = (tmp_path / "out" / "README.md").read_text()
+        assert f"specheads generate --method {kind} --heads" in card
+
+
+def test_a_run_exports_its_final_heads_and_the_card_reports_the_run(target_dir, tmp_path):
+    target, target_path = target_dir
+    run = tmp_path / "run"
+    saved("eagle3", target, target_path, run / "final")
+    (run / "config.yaml").write_text("recipe: eagle3\nmax_steps: 7\ndata: {source: sharegpt, max_conversations: 9}\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 7, "loss": 1.25}) + "\n")
+    export(run, "hf", tmp_path / "card")
+    card = (tmp_path / "card" / "README.md").read_text()
+    assert "| steps | 7 |" in card and "| final loss | 1.25 |" in card and "vllm serve DIR" in card
+    assert "--speculative-algorithm EAGLE3" in card
+
+
+def test_sglang_names_layers_its_own_way_and_counts_aux_ids_one_lower(target_dir, tmp_path):
+    target, target_path = target_dir
+    saved("eagle3", target, target_path, tmp_path / "heads")
+    export(tmp_path / "heads", "sglang", tmp_path / "sg")
+    config = json.loads((tmp_path / "sg" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 77
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # ours: hidden_states 1, 2, 3
+    names = set(load_file(tmp_path / "sg" / "model.safetensors"))
+    assert {"midlayer.hidden_norm.weight", "additional_layers.0.hidden_norm.weight", "d2t"} <= names
+    assert not any(n.startswith("layers.") or "embed_tokens" in n for n in names)
+
+
+def test_bad_input_is_refused_by_name(target_dir, tmp_path):
+    target, target_path = target_dir
+    heads = tmp_path / "heads"
+    saved("eagle3", target, target_path, heads)
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="has no finished heads"):
+        export(tmp_path / "run", "speculators", tmp_path / "a")
+    with pytest.raises(ValueError, match=r"--to speculators cannot express eagle heads.*eagle heads export to: hf"):
+        saved("eagle", target, target_path, tmp_path / "e1")
+        export(tmp_path / "e1", "speculators", tmp_path / "b")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    with pytest.raises(ValueError, match="is not an empty folder"):
+        export(heads, "speculators", tmp_path / "full")
+    assert (tmp_path / "full" / "x").read_text() == "keep me"
+
+    state = load_file(heads / "model.safetensors")
+    save_file({**state, "fc.weight": torch.zeros(64, 191)}, heads / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tensor 'fc.weight' has shape \(64, 191\), its loader expects \(64, 192\)"):
+        export(heads, "speculators", tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    save_file(state, heads / "model.safetensors")
+
+    export(heads, "speculators", tmp_path / "spec")
+    with pytest.raises(ValueError, match="were trained for target .*hidden 64, vocab 96.*this target has hidden 32"):
+        load_drafter(tmp_path / "spec", tiny_model("llama", hidden=32))
+    spec_state = load_file(tmp_path / "spec" / "model.safetensors")
+    save_file({**spec_state, "lm_head.weight": torch.zeros(100, 64), "d2t": torch.zeros(100, dtype=torch.long)},
+              tmp_path / "spec" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"draft vocabulary \(100 tokens\) is larger than the target vocabulary \(96\)"):
+        load_drafter(tmp_path / "spec", target)
+
+    (tmp_path / "alien").mkdir()
+    (tmp_path / "alien" / "config.json").write_text(json.dumps({"architectures": ["Mystery"]}))
+    save_file({"w": torch.zeros(1)}, tmp_path / "alien" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"matches none of: speculators eagle3 .*speculators_model_type"):
+        load_drafter(tmp_path / "alien", target)
+
+
+def test_pickled_weights_load_only_as_plain_tensors(target_dir, tmp_path):
+    target, target_path = target_dir
+    saved("eagle3", target, target_path, tmp_path / "heads")
+    export(tmp_path / "heads", "sglang", tmp_path / "sg")
+    state = load_file(tmp_path / "sg" / "model.safetensors")
+    (tmp_path / "sg" / "model.safetensors").unlink()
+    torch.save(state, tmp_path / "sg" / "pytorch_model.bin")
+    assert drafts("eagle3", target, tmp_path / "sg") == drafts("eagle3", target, tmp_path / "heads")
+
+    class Payload:  # what weights_only=True refuses to unpickle
+        def __reduce__(self):
+            return (print, ("unpickled",))
+
+    torch.save({"x": Payload()}, tmp_path / "sg" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="is corrupt or not plain tensors"):
+        load_drafter(tmp_path / "sg", target)
+
+
+def test_push_to_hub_creates_the_repo_and_commits_the_export(target_dir, tmp_path):
+    target, target_path = target_dir
+    saved("eagle3", target, target_path, tmp_path / "heads")
+    done = export(tmp_path / "heads", "speculators", tmp_path / "spec")
+    with HubStub() as hub:
+        url = push_folder(done.folder, "org/eagle3-tiny", private=True, token=TOKEN, endpoint=hub.url)
+        assert url.startswith(hub.url) and hub.created == [
+            {"name": "eagle3-tiny", "organization": "org", "visibility": "private", "type": "model"}]
+        files = hub.repos["org/eagle3-tiny"]["files"]
+        assert sorted(files) == ["config.json", "model.safetensors"]
+        assert files["config.json"] == (tmp_path / "spec" / "config.json").read_bytes()
+        with pytest.raises(ValueError, match=r"pushing to the Hub repo org/x failed \(.*401.*the export in .* is intact"):
+            push_folder(done.folder, "org/x", token="hf_wrong", endpoint=hub.url)
+        assert "org/x" not in hub.repos and not any("/org/x/commit/" in path for _, path in hub.requests)
+
+
+def test_cli_exports_and_a_failed_push_keeps_the_export(target_dir, tmp_path, capsys, monkeypatch):
+    target, target_path = target_dir
+    saved("eagle3", target, target_path, tmp_path / "heads")
+    assert cli_main(["export", str(tmp_path / "heads"), "--to", "speculators", "--output", str(tmp_path / "a"),
+                     "--verifier", "org/target"]) == 0
+    assert "wrote speculators export" in capsys.readouterr().out
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    code = cli_main(["export", str(tmp_path / "heads"), "--to", "hf", "--output", str(tmp_path / "b"),
+                     "--push-to-hub", "org/x"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "the export in" in err[0] and "is intact" in err[0]
+    assert (tmp_path / "b" / "model.safetensors").is_file()
