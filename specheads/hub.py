@@ -15,6 +15,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def looks_like_repo_id(name: str) -> bool:
+    """ORG/NAME that is not a local path (write ./ORG/NAME for a local folder of that name)."""
     return bool(_REPO_ID.match(name)) and not Path(name).exists()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from specheads.hub import looks_like_repo_id
+from specheads.hub import looks_like_repo_id, resolve_heads
 from specheads.inference.methods import option
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.ngram import NgramConfig, find_continuations
@@ -66,9 +66,11 @@ class HeadsOptions:
         if self.lookup is not None and self.lookup < 0:
             raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
                              f"off), got {self.lookup}")
-        if self.heads is not None and not Path(self.heads).is_dir() and not looks_like_repo_id(self.heads):
-            raise ValueError(f"heads folder {self.heads} does not exist; pass the final/ folder of a training run "
-                             "or a Hub repo id (ORG/NAME)")  # before any model loads
+        if self.heads is not None and not Path(self.heads).is_dir():  # before any model loads
+            if not looks_like_repo_id(self.heads):
+                raise ValueError(f"heads folder {self.heads} does not exist; pass the final/ folder of a training run "
+                                 "or a Hub repo id (ORG/NAME)")
+            resolve_heads(self.heads)  # fetched (or found in the cache) now, so a bad id fails first
 
 
 def with_lookup(proposer: Proposer, num_candidates: int | None) -> Proposer:

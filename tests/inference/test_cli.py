@@ -73,7 +73,7 @@ def test_prompt_streams_text_and_prints_stats(tiny_model_dir, capsys):
     (["--method", "draft", "--draft", "early-exit:x"], "early-exit:8"),
     (["--method", "eagle", "--heads", "runs/none", "--lookup", "-1"], "--lookup must be >= 0"),
     (["--method", "ngram", "--lookup", "2"], "--lookup does not apply to --method ngram"),
-    (["--method", "eagle", "--heads", "runs/nowhere"], "heads folder runs/nowhere does not exist"),
+    (["--method", "eagle", "--heads", "./runs/nowhere"], "heads folder ./runs/nowhere does not exist"),
     (["--num-samples", "3"], "--num-samples N > 1 needs --temperature > 0"),
     (["--num-samples", "0"], "--num-samples must be >= 1"),
 ])

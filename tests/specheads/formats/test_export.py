@@ -165,3 +165,24 @@ def test_cli_exports_and_a_failed_push_keeps_the_export(target_dir, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "the export in" in err[0] and "is intact" in err[0]
     assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
+def test_a_hub_id_resolves_from_the_cache_offline_and_an_uncached_one_fails_first(target_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    from specheads.inference.methods import METHODS
+
+    target, target_path = target_dir
+    saved("eagle3", target, target_path, tmp_path / "heads")
+    # The cache layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/<commit>/<files>}.
+    repo = tmp_path / "cache" / "models--org--eagle3-tiny"
+    commit = "a" * 40
+    export(tmp_path / "heads", "speculators", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert drafts("eagle3", target, "org/eagle3-tiny") == drafts("eagle3", target, tmp_path / "heads")
+    with pytest.raises(ValueError, match="org/missing is neither a local folder nor a Hub repo that could be fetched"):
+        METHODS.get("eagle3").make_options({"heads": "org/missing"})
