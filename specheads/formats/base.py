@@ -33,6 +33,15 @@ class ExportContext:
     target_config: Any  # the target's HF text config (a PretrainedConfig): sizes and architecture of the draft layers
     verifier: str  # the target's name for the serving engine: a Hub id or a path it can read
     speculative_tokens: int = 3  # draft depth written where a format records one
+    target_path: str | None = None  # the target's local folder, for formats that carry some of its weights
+
+    def target_lm_head(self) -> torch.Tensor:  # [V, H]: the target's output embedding, read from its files
+        if self.target_path is None:
+            raise ValueError("this export needs the target's LM head; pass --target with a local folder or Hub id")
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.target_path, dtype=torch.float32)
+        return model.get_output_embeddings().weight.detach()
 
 
 @dataclass(frozen=True)

@@ -68,9 +68,10 @@ def export(run_or_heads: str | Path, fmt: str, output: str | Path, *, target: st
     _fresh(out)
     from transformers import AutoConfig
 
-    target_config = AutoConfig.from_pretrained(resolve_target(target or ckpt.target.name)).get_text_config()
+    target_path = resolve_target(target or ckpt.target.name)
+    target_config = AutoConfig.from_pretrained(target_path).get_text_config()
     ctx = ExportContext(target_config=target_config, verifier=_verifier(ckpt, verifier),
-                        speculative_tokens=speculative_tokens)
+                        speculative_tokens=speculative_tokens, target_path=target_path)
     if fmt == HF_FORMAT:
         out.mkdir(parents=True, exist_ok=True)
         for name in (CONFIG_NAME, WEIGHTS_NAME):

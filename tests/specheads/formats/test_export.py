@@ -186,3 +186,17 @@ def test_a_hub_id_resolves_from_the_cache_offline_and_an_uncached_one_fails_firs
     assert drafts("eagle3", target, "org/eagle3-tiny") == drafts("eagle3", target, tmp_path / "heads")
     with pytest.raises(ValueError, match="org/missing is neither a local folder nor a Hub repo that could be fetched"):
         METHODS.get("eagle3").make_options({"heads": "org/missing"})
+
+
+def test_vllm_medusa_writes_its_block_names_and_the_shared_head_rows(target_dir, tmp_path):
+    target, target_path = target_dir
+    heads = saved("medusa", target, target_path, tmp_path / "heads")
+    export(tmp_path / "heads", "vllm-medusa", tmp_path / "vm")
+    config = json.loads((tmp_path / "vm" / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["original_lm_head"] is True
+    assert (config["num_heads"], config["truncated_vocab_size"]) == (4, 77)
+    state = load_file(tmp_path / "vm" / "model.safetensors")
+    ids = list(heads.config.draft_vocab)
+    assert torch.equal(state["lm_heads.0.weight"], target.get_output_embeddings().weight[ids].detach())
+    assert torch.equal(state["token_map"], torch.tensor(ids))
+    assert torch.equal(state["blocks.2.layers.0.weight"], heads.blocks[2][0].linear.weight.detach())
