@@ -33,6 +33,7 @@ class EagleHeadsConfig:
     num_layers: int = 1  # decoder layers in the head
     init_from_target_layer: int | None = None  # copy this target layer into the head (None: random init, learns faster)
     aux_layers: tuple[int, ...] = ()  # target hidden_states also fed to the head (EAGLE-3: 2, L//2, L-3); () = EAGLE-1
+    first_layer_norm: bool = True  # false: EAGLE-1's original layout (no first input norm), exportable to SGLang
     cls_weight: float = 0.1  # weight of the soft cross-entropy next to the feature SmoothL1 loss
     reg_weight: float = 1.0  # weight of the feature SmoothL1 loss (EAGLE-3 drops it: 0 with cls_weight 1)
     feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
@@ -59,7 +60,7 @@ def build_eagle(settings: EagleHeadsConfig, target: torch.nn.Module, draft_vocab
     head_cfg = EagleConfig(hidden_size=tcfg.hidden_size, vocab_size=vocab, num_layers=settings.num_layers,
                            init_from_target_layer=settings.init_from_target_layer,
                            draft_vocab=None if draft_vocab is None else tuple(draft_vocab),
-                           aux_layers=settings.aux_layers)
+                           aux_layers=settings.aux_layers, first_layer_norm=settings.first_layer_norm)
     return EagleHead(head_cfg, target)
 
 

@@ -11,6 +11,7 @@ a missing tensor, a wrong shape, or a tensor the loader would silently drop is r
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 from collections.abc import Callable, Mapping
@@ -36,12 +37,23 @@ class ExportContext:
     target_path: str | None = None  # the target's local folder, for formats that carry some of its weights
 
     def target_lm_head(self) -> torch.Tensor:  # [V, H]: the target's output embedding, read from its files
-        if self.target_path is None:
-            raise ValueError("this export needs the target's LM head; pass --target with a local folder or Hub id")
-        from transformers import AutoModelForCausalLM
+        return _target_weights(self._need_path())[1]
 
-        model = AutoModelForCausalLM.from_pretrained(self.target_path, dtype=torch.float32)
-        return model.get_output_embeddings().weight.detach()
+    def target_embedding(self) -> torch.Tensor:  # [V, H]: the target's input embedding
+        return _target_weights(self._need_path())[0]
+
+    def _need_path(self) -> str:
+        if self.target_path is None:
+            raise ValueError("this export needs some of the target's weights; pass --target with a local folder or Hub id")
+        return self.target_path
+
+
+@functools.lru_cache(maxsize=1)
+def _target_weights(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,7 @@ class Exporter:
 class Importer:
     layout: str  # a name for messages, e.g. "speculators eagle3"
     needs: str  # what identifies the layout, for the message when nothing matches
-    detect: Callable[[Mapping[str, Any]], bool]  # config.json -> whether it is this layout
+    detect: Callable[[Mapping[str, Any], set[str]], bool]  # (config.json, tensor names) -> whether it is this layout
     # (folder, config.json, tensors, target layer count or None) -> our checkpoint
     read: Callable[[Path, Mapping[str, Any], dict[str, torch.Tensor], int | None], Checkpoint]
 
@@ -96,9 +108,10 @@ def exporter_for(fmt: str, kind: str) -> Exporter:
 
 def import_folder(folder: Path, meta: Mapping[str, Any], num_target_layers: int | None = None) -> Checkpoint:
     """A foreign checkpoint folder as our Checkpoint; a ValueError naming what was looked for when no layout fits."""
+    state = read_weights(folder)
     for _, importer in IMPORTERS.items():
-        if importer.detect(meta):
-            return importer.read(folder, meta, read_weights(folder), num_target_layers)
+        if importer.detect(meta, set(state)):
+            return importer.read(folder, meta, state, num_target_layers)
     known = "; ".join(f"{i.layout} ({i.needs})" for _, i in IMPORTERS.items())
     raise ValueError(f"{folder} holds no drafter layout specheads reads: its config.json has no 'head_type' (our "
                      f"format) and matches none of: {known}. Pass a specheads training run's final/ folder or one of those")
@@ -156,3 +169,17 @@ def layer_config_dict(target_config: Any, num_layers: int, overrides: Mapping[st
         data["layer_types"] = data["layer_types"][:num_layers]
     data.update(overrides)
     return data
+
+
+def layer_shapes(prefix: str, lc: Any, *, input_width: int, input_norm: bool = True) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of one Llama-style decoder layer whose q/k/v read `input_width` columns."""
+    h = lc.hidden_size
+    hd = getattr(lc, "head_dim", None) or h // lc.num_attention_heads
+    q, kv, inter = lc.num_attention_heads * hd, lc.num_key_value_heads * hd, lc.intermediate_size
+    shapes = {f"{prefix}self_attn.q_proj.weight": (q, input_width), f"{prefix}self_attn.k_proj.weight": (kv, input_width),
+              f"{prefix}self_attn.v_proj.weight": (kv, input_width), f"{prefix}self_attn.o_proj.weight": (h, q),
+              f"{prefix}mlp.gate_proj.weight": (inter, h), f"{prefix}mlp.up_proj.weight": (inter, h),
+              f"{prefix}mlp.down_proj.weight": (h, inter), f"{prefix}post_attention_layernorm.weight": (h,)}
+    if input_norm:
+        shapes[f"{prefix}input_layernorm.weight"] = (h,)
+    return shapes

@@ -3,8 +3,8 @@
 Our `eagle3` tensors already carry speculators' names (`specheads.heads.eagle3`), so the speculators export
 only adds the vocabulary mappings and the config; SGLang's `LlamaForCausalLMEagle3` names the first layer
 `midlayer` and later ones `additional_layers.{i-1}` (whose pre-attention norm is `hidden_norm`), and counts
-explicit aux layer ids one lower. Neither export carries the token embedding: speculators loads it from the
-verifier, vLLM and SGLang share the target's.
+explicit aux layer ids one lower. The speculators export carries the target's token embedding (speculators
+would otherwise have to fetch it from the verifier); SGLang shares the target's, so its export leaves it out.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from specheads.formats.base import (
     Importer,
     check_export,
     layer_config_dict,
+    layer_shapes,
     register_exporter,
     register_importer,
     write_folder,
@@ -40,20 +41,6 @@ from specheads.heads.eagle3 import (
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 format this writes
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 _FOREIGN_ONLY = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # never ours to load
-
-
-def _layer_shapes(prefix: str, lc: Any, first: bool) -> dict[str, tuple[int, ...]]:
-    h = lc.hidden_size
-    hd = getattr(lc, "head_dim", None) or h // lc.num_attention_heads
-    q, kv, width = lc.num_attention_heads * hd, lc.num_key_value_heads * hd, 2 * h if first else h
-    shapes = {f"{prefix}self_attn.q_proj.weight": (q, width), f"{prefix}self_attn.k_proj.weight": (kv, width),
-              f"{prefix}self_attn.v_proj.weight": (kv, width), f"{prefix}self_attn.o_proj.weight": (h, q),
-              f"{prefix}mlp.gate_proj.weight": (lc.intermediate_size, h), f"{prefix}mlp.up_proj.weight": (lc.intermediate_size, h),
-              f"{prefix}mlp.down_proj.weight": (h, lc.intermediate_size),
-              f"{prefix}input_layernorm.weight": (h,), f"{prefix}post_attention_layernorm.weight": (h,)}
-    if first:
-        shapes[f"{prefix}hidden_norm.weight"] = (h,)
-    return shapes
 
 
 def _config(ckpt: Checkpoint) -> Eagle3Config:
@@ -76,16 +63,20 @@ def _mappings(cfg: Eagle3Config) -> dict[str, torch.Tensor]:
 
 def speculators_names(cfg: Eagle3Config, lc: Any) -> dict[str, tuple[int, ...]]:
     """Tensors speculators' Eagle3DraftModel loads (speculators/models/eagle3/core.py, Eagle3DraftModel.__init__,
-    and speculators/model.py DraftVocabMixin._init_vocab), minus embed_tokens.weight, which it takes from the
-    verifier when absent; vLLM reads the same names (vllm/model_executor/models/llama_eagle3.py, load_weights)."""
+    and speculators/model.py DraftVocabMixin._init_vocab). embed_tokens.weight is the target's: speculators
+    means to take it from the verifier when absent, but with transformers 5 its loader initialises the missing
+    tensor instead, so the export carries it; vLLM reads the same names (vllm/model_executor/models/llama_eagle3.py, load_weights)."""
     h, n = cfg.hidden_size, len(cfg.aux_layers)
-    names: dict[str, tuple[int, ...]] = {"fc.weight": (h, n * h), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h)}
+    names: dict[str, tuple[int, ...]] = {"fc.weight": (h, n * h), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+                                         "embed_tokens.weight": (cfg.vocab_size, h)}
     if cfg.norm_before_fc:
         names["input_norm.weight"] = (n * h,)
     if cfg.fc_norm:
         names |= {f"fc_norm.{i}.weight": (h,) for i in range(n)}
     for i in range(cfg.num_layers):
-        names |= _layer_shapes(f"layers.{i}.", lc, first=i == 0)
+        names |= layer_shapes(f"layers.{i}.", lc, input_width=2 * h if i == 0 else h)
+        if i == 0:
+            names["layers.0.hidden_norm.weight"] = (h,)
     if cfg.draft_vocab is not None:
         names |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     return names
@@ -94,7 +85,7 @@ def speculators_names(cfg: Eagle3Config, lc: Any) -> dict[str, tuple[int, ...]]:
 def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     cfg = _config(ckpt)
     lc = _layer_config(cfg, ctx)
-    state = {**ckpt.state, **_mappings(cfg)}
+    state = {**ckpt.state, **_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
     check_export(state, speculators_names(cfg, lc), "speculators eagle3 (vLLM)")
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -164,7 +155,7 @@ def _imported(folder: Path, layout: str, lc: Mapping[str, Any], state: dict[str,
     return Checkpoint(folder, KIND_NAME, config, _target_info(verifier, lc), state, {"imported_from": layout})
 
 
-def _speculators_detect(meta: Mapping[str, Any]) -> bool:
+def _speculators_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
     return meta.get("speculators_model_type") == KIND_NAME
 
 
@@ -205,7 +196,9 @@ def _from_sglang(name: str) -> str:
 def sglang_names(cfg: Eagle3Config, lc: Any) -> dict[str, tuple[int, ...]]:
     """Tensors SGLang's LlamaForCausalLMEagle3 loads (python/sglang/srt/models/llama_eagle3.py: LlamaModel.__init__,
     LlamaForCausalLMEagle3.load_weights, which drops unknown names silently and reads d2t, skipping t2d)."""
-    return {_to_sglang(k): v for k, v in speculators_names(cfg, lc).items()}
+    names = {_to_sglang(k): v for k, v in speculators_names(cfg, lc).items()}
+    del names["embed_tokens.weight"]  # SGLang's EAGLE-3 worker shares the target's embedding
+    return names
 
 
 def write_sglang(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
@@ -227,7 +220,7 @@ def write_sglang(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str
     return write_folder(folder, config, state)
 
 
-def _sglang_detect(meta: Mapping[str, Any]) -> bool:
+def _sglang_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
     return SGLANG_ARCHITECTURE in (meta.get("architectures") or [])
 
 

@@ -73,7 +73,7 @@ def write_vllm(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     return write_folder(folder, config, state)
 
 
-def _vllm_detect(meta: Mapping[str, Any]) -> bool:
+def _vllm_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
     return VLLM_ARCHITECTURE in (meta.get("architectures") or []) or meta.get("model_type") == "medusa"
 
 
@@ -99,7 +99,43 @@ def read_vllm(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tens
     return Checkpoint(folder, KIND_NAME, asdict(cfg), target, ours, {"imported_from": "vLLM Medusa"})
 
 
+_FD_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
+_FD_HEAD = re.compile(r"^(\d+)\.(\d+)\.(weight|bias)$")
+
+
+def _faster_decoding_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
+    return "medusa_num_heads" in meta
+
+
+def read_faster_decoding(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],
+                         num_target_layers: int | None) -> Checkpoint:
+    """FasterDecoding's Medusa-1 heads (medusa_lm_head.pt/.safetensors): head i is nn.Sequential of
+    `medusa_num_layers` ResBlocks (`{i}.{j}.linear`) and its own LM head (`{i}.{num_layers}`)."""
+    num_heads, num_layers = int(meta["medusa_num_heads"]), int(meta.get("medusa_num_layers", 1))
+    ours: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        name = name.removeprefix("medusa_head.")
+        block, head = _FD_BLOCK.match(name), _FD_HEAD.match(name)
+        if block:
+            ours[f"blocks.{block[1]}.{block[2]}.linear.{block[3]}"] = tensor
+        elif head and int(head[2]) == num_layers:
+            ours[f"lm_heads.{head[1]}.{head[3]}"] = tensor
+        else:
+            ours[name] = tensor  # left for the strict loader to name
+    lm = ours.get("lm_heads.0.weight")
+    if lm is None:
+        raise ValueError(f"{folder} (FasterDecoding Medusa) has no LM head weights '0.{num_layers}.weight'; "
+                         "re-download it")
+    cfg = MedusaConfig(hidden_size=int(lm.shape[1]), vocab_size=int(lm.shape[0]), num_heads=num_heads,
+                       num_layers=num_layers, own_lm_head=True)
+    target = TargetInfo(name=str(meta.get("base_model_name_or_path") or "unknown"), model_type="",
+                        hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=None)
+    return Checkpoint(folder, KIND_NAME, asdict(cfg), target, ours, {"imported_from": "FasterDecoding Medusa"})
+
+
 register_exporter(Exporter("vllm-medusa", KIND_NAME, f"vLLM ({VLLM_ARCHITECTURE})", write_vllm,
                            serve="vllm serve {verifier} --speculative-config '{{\"method\": \"medusa\", \"model\": \"DIR\", "
                                  "\"num_speculative_tokens\": 3}}'"))
 register_importer(Importer("vLLM Medusa", f'config.json "architectures": ["{VLLM_ARCHITECTURE}"]', _vllm_detect, read_vllm))
+register_importer(Importer("FasterDecoding Medusa", 'config.json "medusa_num_heads"', _faster_decoding_detect,
+                           read_faster_decoding))

@@ -44,6 +44,7 @@ class EagleConfig:
     init_from_target_layer: int | None = None  # copy this target layer's weights into the head's layer(s)
     draft_vocab: tuple[int, ...] | None = None  # token ids the head scores, sorted; None: the whole vocabulary
     aux_layers: tuple[int, ...] = ()  # target hidden_states indices fused with F_t (EAGLE-3: low, mid, high); () = EAGLE-1
+    first_layer_norm: bool = True  # false: the first layer reads fc's output unnormed, as EAGLE-1's own code (and SGLang) do
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -64,6 +65,8 @@ class EagleHead(nn.Module):
         if config.aux_layers:
             self.fuse = nn.Linear(self.feature_width, config.hidden_size, bias=False, dtype=dtype)
         self.layers = nn.ModuleList(layer_cls(layer_cfg, layer_idx=i).to(dtype) for i in range(config.num_layers))
+        if not config.first_layer_norm:
+            self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
         self.layer_config = layer_cfg
         # The target's embeddings and LM head: shared, frozen, outside this module's parameters.
@@ -89,7 +92,8 @@ class EagleHead(nn.Module):
             if not -len(layers) <= src < len(layers):
                 raise ValueError(f"init_from_target_layer={src} is out of range for a {len(layers)}-layer target")
             for layer in self.layers:
-                layer.load_state_dict(layers[src].state_dict())
+                own = layer.state_dict()
+                layer.load_state_dict({k: v for k, v in layers[src].state_dict().items() if k in own})
 
     @property
     def embed_tokens(self) -> nn.Module:

@@ -28,8 +28,21 @@ def target_dir(tmp_path):
     return target, tmp_path / "target"
 
 
-def saved(kind, target, target_path, folder):
-    heads = DRAFTERS[kind].make(target)
+def eagle1_layout(target):
+    """EAGLE heads as EAGLE's own code lays them out: no aux layers, no input norm before the first layer."""
+    from specheads.heads.eagle import EagleConfig, EagleHead
+    from tests.drafters import perturbed
+
+    torch.manual_seed(0)
+    cfg = EagleConfig(hidden_size=64, vocab_size=96, first_layer_norm=False, draft_vocab=tuple(range(3, 80)))
+    return perturbed(EagleHead(cfg, target)).eval()
+
+
+EXPORTABLE = {("sglang", "eagle"): eagle1_layout}  # heads of the kind the format can express
+
+
+def saved(kind, target, target_path, folder, make=None):
+    heads = (make or DRAFTERS[kind].make)(target)
     save_drafter(folder, heads, TargetInfo.from_model(target, str(target_path)))
     return heads
 
@@ -41,10 +54,20 @@ def drafts(kind, target, folder):
     return tree.tokens.tolist(), tree.parents.tolist()
 
 
+def assert_decodes_exactly(kind, target, folder):
+    from specheads.inference import Engine
+    from specheads.inference.proposers import AutoregressiveProposer
+
+    prompt = repetitive_prompt()
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=24)
+    res = Engine(target, proposer_for(kind, target, folder, {})).generate(prompt, max_new_tokens=24)
+    assert res.output_ids == plain.output_ids and res.stats.drafted > 0
+
+
 @pytest.mark.parametrize(("fmt", "kind"), [("hf", k) for k in DRAFTERS] + FORMATS)
 def test_export_then_import_drafts_identically(fmt, kind, target_dir, tmp_path):
     target, target_path = target_dir
-    saved(kind, target, target_path, tmp_path / "heads")
+    saved(kind, target, target_path, tmp_path / "heads", EXPORTABLE.get((fmt, kind)))
     done = export(tmp_path / "heads", fmt, tmp_path / "out")
     assert (tmp_path / "out" / "config.json").is_file() and done.verifier == str(target_path)
     assert drafts(kind, target, tmp_path / "out") == drafts(kind, target, tmp_path / "heads")
@@ -85,7 +108,7 @@ def test_bad_input_is_refused_by_name(target_dir, tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ValueError, match="has no finished heads"):
         export(tmp_path / "run", "speculators", tmp_path / "a")
-    with pytest.raises(ValueError, match=r"--to speculators cannot express eagle heads.*eagle heads export to: hf"):
+    with pytest.raises(ValueError, match=r"--to speculators cannot express eagle heads.*eagle heads export to: hf, sglang"):
         saved("eagle", target, target_path, tmp_path / "e1")
         export(tmp_path / "e1", "speculators", tmp_path / "b")
     (tmp_path / "full").mkdir()
@@ -113,7 +136,7 @@ def test_bad_input_is_refused_by_name(target_dir, tmp_path):
     (tmp_path / "alien").mkdir()
     (tmp_path / "alien" / "config.json").write_text(json.dumps({"architectures": ["Mystery"]}))
     save_file({"w": torch.zeros(1)}, tmp_path / "alien" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"matches none of: speculators eagle3 .*speculators_model_type"):
+    with pytest.raises(ValueError, match=r'matches none of: .*speculators eagle3 \(config.json "speculators_model_type"'):
         load_drafter(tmp_path / "alien", target)
 
 
@@ -200,3 +223,49 @@ def test_vllm_medusa_writes_its_block_names_and_the_shared_head_rows(target_dir,
     assert torch.equal(state["lm_heads.0.weight"], target.get_output_embeddings().weight[ids].detach())
     assert torch.equal(state["token_map"], torch.tensor(ids))
     assert torch.equal(state["blocks.2.layers.0.weight"], heads.blocks[2][0].linear.weight.detach())
+
+
+def test_eagle1_checkpoints_of_eagles_own_code_import_and_decode_exactly(target_dir, tmp_path):
+    """EAGLE's own layout: a Llama config, fc with a bias, a first layer without input norm, the embedding
+    inside, pickled weights. It drafts here as the same heads saved by us do."""
+    target, target_path = target_dir
+    heads = eagle1_layout(target)
+    full = type(heads)(type(heads.config)(**{**heads.config.__dict__, "draft_vocab": None}), target)
+    full.load_state_dict(heads.state_dict())
+    save_drafter(tmp_path / "ours", full, TargetInfo.from_model(target, str(target_path)))
+    (tmp_path / "orig").mkdir()
+    (tmp_path / "orig" / "config.json").write_text(json.dumps({**target.config.to_dict(), "num_hidden_layers": 1,
+                                                              "architectures": ["LlamaForCausalLM"]}))
+    state = {**full.state_dict(), "embed_tokens.weight": target.get_input_embeddings().weight.detach()}
+    assert "layers.0.input_layernorm.weight" not in state
+    torch.save(state, tmp_path / "orig" / "pytorch_model.bin")
+    assert drafts("eagle", target, tmp_path / "orig") == drafts("eagle", target, tmp_path / "ours")
+    assert_decodes_exactly("eagle", target, tmp_path / "orig")
+
+    with pytest.raises(ValueError, match=r"cannot express these eagle heads \(it fuses aux layers\)"):
+        saved("eagle", target, target_path, tmp_path / "aux")
+        export(tmp_path / "aux", "sglang", tmp_path / "x")
+
+
+def test_faster_decoding_medusa_heads_import_and_decode_exactly(target_dir, tmp_path):
+    """FasterDecoding's layout: medusa_lm_head.pt with `{i}.{j}.linear` blocks and `{i}.{L}` LM heads."""
+    from specheads.heads.medusa import MedusaConfig, MedusaHeads
+    from tests.drafters import perturbed
+
+    target, target_path = target_dir
+    torch.manual_seed(0)
+    heads = perturbed(MedusaHeads(MedusaConfig.for_target(target, num_heads=3, own_lm_head=True), target.lm_head), 0.2)
+    save_drafter(tmp_path / "ours", heads, TargetInfo.from_model(target, str(target_path)))
+    theirs = {}
+    for name, tensor in heads.state_dict().items():
+        parts = name.split(".")
+        if parts[0] == "blocks":  # blocks.i.j.linear.w -> i.j.linear.w
+            theirs[".".join(parts[1:])] = tensor
+        else:  # lm_heads.i.w -> i.L.w
+            theirs[f"{parts[1]}.1.{parts[2]}"] = tensor
+    (tmp_path / "fd").mkdir()
+    (tmp_path / "fd" / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1,
+                                                            "base_model_name_or_path": str(target_path)}))
+    torch.save(theirs, tmp_path / "fd" / "medusa_lm_head.pt")
+    assert drafts("medusa", target, tmp_path / "fd") == drafts("medusa", target, tmp_path / "ours")
+    assert_decodes_exactly("medusa", target, tmp_path / "fd")
