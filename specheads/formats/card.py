@@ -16,6 +16,18 @@ _FIGURES = ("eval/measured_tau", "eval/measured_acceptance_rate", "eval/simulate
             "eval/top1_head1")
 
 
+def _run_evals(run: Path | None) -> dict[str, Any]:
+    """The run's evaluation rows merged, later rows winning: the last evaluation and the measured τ after it."""
+    metrics = None if run is None else run / "metrics.jsonl"
+    if metrics is None or not metrics.is_file():
+        return {}
+    merged: dict[str, Any] = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        merged |= {k: v for k, v in row.items() if k.startswith("eval/")}
+    return merged
+
+
 def _run_facts(run: Path | None) -> dict[str, Any]:
     if run is None or not (run / "config.yaml").is_file():
         return {}
@@ -34,7 +46,7 @@ def _run_facts(run: Path | None) -> dict[str, Any]:
 
 def model_card(ckpt: Checkpoint, ctx: ExportContext, run: Path | None) -> str:
     kind = ckpt.head_type
-    evals = ckpt.metadata.get("eval") or {}
+    evals = {**(ckpt.metadata.get("eval") or {}), **_run_evals(run)}
     lines = [f"# {kind} drafter for {ctx.verifier}", "",
              f"Speculative-decoding heads of kind `{kind}` trained with specheads for the frozen target "
              f"`{ckpt.target.name}` ({ckpt.target.describe()}). Drafts are verified by the target, so output is "
