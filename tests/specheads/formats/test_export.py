@@ -271,3 +271,18 @@ def test_faster_decoding_medusa_heads_import_and_decode_exactly(target_dir, tmp_
     torch.save(theirs, tmp_path / "fd" / "medusa_lm_head.pt")
     assert drafts("medusa", target, tmp_path / "fd") == drafts("medusa", target, tmp_path / "ours")
     assert_decodes_exactly("medusa", target, tmp_path / "fd")
+
+
+def test_the_hub_stub_refuses_malformed_requests():
+    """The stub's checks have teeth: a creation of another repo type and a commit without a header are refused."""
+    import httpx
+
+    with HubStub() as hub:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        bad = httpx.post(f"{hub.url}/api/repos/create", headers=auth, json={"name": "x", "organization": "org",
+                                                                             "type": "dataset"})
+        assert bad.status_code == 400 and not hub.repos
+        assert httpx.post(f"{hub.url}/api/repos/create", headers=auth, json={"name": "x", "organization": "org"}).is_success
+        commit = httpx.post(f"{hub.url}/api/models/org/x/commit/main", headers=auth,
+                            content=json.dumps({"key": "file", "value": {"path": "a", "content": "", "encoding": "base64"}}))
+        assert commit.status_code == 400 and not hub.repos["org/x"]["files"]
