@@ -7,9 +7,11 @@ huggingface_hub's cache; with `HF_HUB_OFFLINE=1` a cached copy is used without n
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -28,10 +30,17 @@ def resolve_heads(path: str | os.PathLike) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id=str(path)))
+        return _snapshot(str(path), snapshot_download)
     except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
         raise ValueError(f"{path} is neither a local folder nor a Hub repo that could be fetched ({type(err).__name__}: "
                          f"{str(err).splitlines()[0]}); check the name, the network, or HF_HUB_OFFLINE with a cached copy") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _snapshot(repo_id: str, download: Any) -> Path:
+    # Options check a Hub id before any model loads and the loader resolves it again: one download (or cache
+    # lookup) serves both.
+    return Path(download(repo_id=repo_id))
 
 
 def push_folder(folder: Path, repo_id: str, *, private: bool = False, token: str | None = None,

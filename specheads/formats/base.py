@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specheads.heads.checkpoint import Checkpoint
+from specheads.heads.checkpoint import Checkpoint, TargetInfo
 from specheads.registry import Registry
 
 
@@ -169,6 +169,17 @@ def layer_config_dict(target_config: Any, num_layers: int, overrides: Mapping[st
         data["layer_types"] = data["layer_types"][:num_layers]
     data.update(overrides)
     return data
+
+
+def layer_config(target_config: Any, num_layers: int, overrides: Mapping[str, Any]) -> Any:
+    """`layer_config_dict` as a config object of the target's class."""
+    return type(target_config)(**layer_config_dict(target_config, num_layers, overrides))
+
+
+def foreign_target(name: Any, hidden_size: int, vocab_size: int, model_type: Any = "") -> TargetInfo:
+    """What a foreign checkpoint tells of its target: no depth (the loader then checks hidden size and vocabulary)."""
+    return TargetInfo(name=str(name or "unknown"), model_type=str(model_type or ""), hidden_size=int(hidden_size),
+                      vocab_size=int(vocab_size), num_layers=None)
 
 
 def layer_shapes(prefix: str, lc: Any, *, input_width: int, input_norm: bool = True) -> dict[str, tuple[int, ...]]:

@@ -21,13 +21,15 @@ from specheads.formats.base import (
     Exporter,
     Importer,
     check_export,
+    foreign_target,
+    layer_config,
     layer_config_dict,
     layer_shapes,
     register_exporter,
     register_importer,
     write_folder,
 )
-from specheads.heads.checkpoint import Checkpoint, TargetInfo
+from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.eagle import KIND_NAME, EagleConfig
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -51,7 +53,7 @@ def write_sglang(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str
         raise ValueError(f"SGLang's {SGLANG_ARCHITECTURE} (EAGLE-1) cannot express these eagle heads ({why}); train "
                          "them with heads.aux_layers=[] heads.first_layer_norm=false, or train EAGLE-3 heads, which export "
                          "to SGLang and vLLM")
-    lc = type(ctx.target_config)(**layer_config_dict(ctx.target_config, cfg.num_layers, {}))
+    lc = layer_config(ctx.target_config, cfg.num_layers, {})
     check_export(ckpt.state, sglang_names(cfg, lc), f"SGLang {SGLANG_ARCHITECTURE}")
     config = layer_config_dict(ctx.target_config, cfg.num_layers, {})
     # SGLang drafts over the whole vocabulary; the draft vocabulary is kept for reading the export back here.
@@ -78,8 +80,7 @@ def read_eagle1(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Te
                           draft_vocab=meta.get("specheads_draft_vocab"))
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} (EAGLE-1): {err}") from None
-    target = TargetInfo(name=str(meta.get("_name_or_path") or "unknown"), model_type=str(meta.get("model_type", "")),
-                        hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=None)
+    target = foreign_target(meta.get("_name_or_path"), cfg.hidden_size, cfg.vocab_size, meta.get("model_type"))
     return Checkpoint(folder, KIND_NAME, asdict(cfg), target, state, {"imported_from": "EAGLE-1"})
 
 

@@ -22,13 +22,15 @@ from specheads.formats.base import (
     Exporter,
     Importer,
     check_export,
+    foreign_target,
+    layer_config,
     layer_config_dict,
     layer_shapes,
     register_exporter,
     register_importer,
     write_folder,
 )
-from specheads.heads.checkpoint import Checkpoint, TargetInfo
+from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.eagle3 import (
     KIND_NAME,
     LAYER_FIELDS,
@@ -45,11 +47,6 @@ _FOREIGN_ONLY = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_nor
 
 def _config(ckpt: Checkpoint) -> Eagle3Config:
     return build(Eagle3Config, ckpt.config)
-
-
-def _layer_config(cfg: Eagle3Config, ctx: ExportContext) -> Any:
-    lc = type(ctx.target_config)(**layer_config_dict(ctx.target_config, cfg.num_layers, cfg.layer))
-    return lc
 
 
 def _mappings(cfg: Eagle3Config) -> dict[str, torch.Tensor]:
@@ -84,7 +81,7 @@ def speculators_names(cfg: Eagle3Config, lc: Any) -> dict[str, tuple[int, ...]]:
 
 def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     cfg = _config(ckpt)
-    lc = _layer_config(cfg, ctx)
+    lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
     state = {**ckpt.state, **_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
     check_export(state, speculators_names(cfg, lc), "speculators eagle3 (vLLM)")
     config = {
@@ -111,12 +108,6 @@ def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> lis
         "tie_word_embeddings": False,
     }
     return write_folder(folder, config, state)
-
-
-def _target_info(name: str, lc: Mapping[str, Any]) -> TargetInfo:
-    # A foreign checkpoint does not record its target's depth: the loader then checks hidden size and vocabulary.
-    return TargetInfo(name=str(name), model_type=str(lc.get("model_type", "")), hidden_size=int(lc["hidden_size"]),
-                      vocab_size=int(lc["vocab_size"]), num_layers=None)
 
 
 def _vocabulary(state: dict[str, torch.Tensor], vocab_size: int) -> tuple[int, ...] | None:
@@ -152,7 +143,7 @@ def _imported(folder: Path, layout: str, lc: Mapping[str, Any], state: dict[str,
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} ({layout}): {err}") from None
     config = asdict(cfg)
-    return Checkpoint(folder, KIND_NAME, config, _target_info(verifier, lc), state, {"imported_from": layout})
+    return Checkpoint(folder, KIND_NAME, config, foreign_target(verifier, lc["hidden_size"], lc["vocab_size"], lc.get("model_type")), state, {"imported_from": layout})
 
 
 def _speculators_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
@@ -208,7 +199,7 @@ def write_sglang(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str
         why = f"{', '.join(unsupported)} set" if unsupported else f"{len(cfg.aux_layers)} aux layers (it reads 3)"
         raise ValueError(f"SGLang's {SGLANG_ARCHITECTURE} cannot express these eagle3 heads ({why}); "
                          "export them with --to speculators for vLLM")
-    lc = _layer_config(cfg, ctx)
+    lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
     state = {_to_sglang(k): v for k, v in {**ckpt.state, **_mappings(cfg)}.items()}
     check_export(state, sglang_names(cfg, lc), f"SGLang {SGLANG_ARCHITECTURE}")
     config = layer_config_dict(ctx.target_config, cfg.num_layers, cfg.layer)

@@ -22,11 +22,12 @@ from specheads.formats.base import (
     Exporter,
     Importer,
     check_export,
+    foreign_target,
     register_exporter,
     register_importer,
     write_folder,
 )
-from specheads.heads.checkpoint import Checkpoint, TargetInfo
+from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.medusa import KIND_NAME, MedusaConfig
 
 VLLM_ARCHITECTURE = "MedusaModel"
@@ -94,8 +95,7 @@ def read_vllm(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tens
                            tree=meta.get("specheads_tree"))
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} (vLLM Medusa): {err}") from None
-    target = TargetInfo(name=str(meta.get("_name_or_path") or "unknown"), model_type="", hidden_size=cfg.hidden_size,
-                        vocab_size=cfg.vocab_size, num_layers=None)
+    target = foreign_target(meta.get("_name_or_path"), cfg.hidden_size, cfg.vocab_size)
     return Checkpoint(folder, KIND_NAME, asdict(cfg), target, ours, {"imported_from": "vLLM Medusa"})
 
 
@@ -128,8 +128,7 @@ def read_faster_decoding(folder: Path, meta: Mapping[str, Any], state: dict[str,
                          "re-download it")
     cfg = MedusaConfig(hidden_size=int(lm.shape[1]), vocab_size=int(lm.shape[0]), num_heads=num_heads,
                        num_layers=num_layers, own_lm_head=True)
-    target = TargetInfo(name=str(meta.get("base_model_name_or_path") or "unknown"), model_type="",
-                        hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_layers=None)
+    target = foreign_target(meta.get("base_model_name_or_path"), cfg.hidden_size, cfg.vocab_size)
     return Checkpoint(folder, KIND_NAME, asdict(cfg), target, ours, {"imported_from": "FasterDecoding Medusa"})
 
 
