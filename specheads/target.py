@@ -28,6 +28,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specheads.gemm_layout import resolve_layout, set_linear_layout
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "default"
@@ -227,11 +229,16 @@ def parse_dtype(value: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 def load_target(
-    name: str, *, device: str = "cpu", dtype: str | torch.dtype = "auto"
+    name: str, *, device: str = "cpu", dtype: str | torch.dtype = "auto", weight_layout: str = "row"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the frozen target and its tokenizer, in eval mode with gradients off."""
+    """Load the frozen target and its tokenizer, in eval mode with gradients off.
+
+    `weight_layout` (see `gemm_layout.py`): "auto" stores linear weights column-major where that makes
+    the few-row GEMMs of tree verification faster (fp32 on CPU); the default keeps them as loaded.
+    """
     device = parse_device(device)
     torch_dtype = parse_dtype(dtype, device)
+    layout = resolve_layout(weight_layout, device, torch_dtype)  # a bad name fails before loading
     path = resolve_target(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     try:
@@ -240,7 +247,7 @@ def load_target(
         # Some architectures have no SDPA path; eager attention is slower but universal.
         logger.warning("SDPA attention unavailable for %s (%s); falling back to eager", name, err)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="eager")
-    model = model.to(device).eval()
+    model = set_linear_layout(model.to(device).eval(), layout)
     model.requires_grad_(False)
     return model, tokenizer
 

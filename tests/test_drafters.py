@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specheads.gemm_layout import linear_layout, set_linear_layout
+from specheads.heads.checkpoint import load_drafter
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods import METHODS
 from specheads.kinds import KINDS
@@ -74,3 +76,12 @@ def test_cuda_decodes_as_the_cpu_and_bf16_speculation_equals_bf16_ar(kind, arch,
         assert engine.generate(prompt, max_new_tokens=MAX_NEW).output_ids == ar, (kind, values)
         sampled = engine.generate(prompt, max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=0))
         assert sampled.stats.new_tokens == 16
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_greedy_equals_plain_greedy_with_column_major_weights(kind, tmp_path):
+    """The CPU default for fp32 (`--weight-layout auto`): the target's linear weights column-major, and the heads
+    loaded for it too; only GEMM kernels change, so outputs still equal plain greedy (in the same layout)."""
+    target = set_linear_layout(tiny_model("llama"), "column")
+    check_greedy_equals_plain_greedy(kind, target, tmp_path)
+    assert linear_layout(load_drafter(tmp_path, target, kind=kind)) == "column"

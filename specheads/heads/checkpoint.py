@@ -31,6 +31,7 @@ from torch import nn
 
 from specheads.config import build as build_config
 from specheads.config import to_dict
+from specheads.gemm_layout import linear_layout, set_linear_layout
 from specheads.kinds import KINDS, kind_of
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,8 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str 
     3. Build the kind's config strictly: an unknown key is refused with the nearest known one.
     4. Build the module and compare its state dict (minus the target's shared weights) with the file:
        missing or unexpected tensors and shape mismatches are refused by name, with both shapes.
-    5. Load the weights (cast to the module's dtype) and move the module to the target's device.
+    5. Load the weights (cast to the module's dtype), move the module to the target's device and store its
+       linear weights in the target's layout (`gemm_layout.py`), which suits the same few-row products.
     """
     ckpt = read_checkpoint(path, num_target_layers=target_model.config.get_text_config().num_hidden_layers)
     if ckpt.head_type not in KINDS:
@@ -239,7 +241,8 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str 
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if not k.startswith(spec.shared_prefixes)}
     check_state(ckpt.state, expected, f"checkpoint {ckpt.path}")
     module.load_state_dict(ckpt.state, strict=False)
-    return module.to(next(target_model.parameters()).device).eval()
+    module = module.to(next(target_model.parameters()).device).eval()
+    return set_linear_layout(module, linear_layout(target_model))
 
 
 def check_state(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
