@@ -2,9 +2,9 @@
 
 Method specs: the engine methods of `specheads.inference.methods.METHODS` (`ar`, `ngram`,
 `draft:PATH`, `draft:early-exit:N`, and each drafter kind as `KIND:HEADS_DIR`; a method with named
-trees takes an optional `@TREE` suffix to run the same heads with another tree, and one with a
-`lookup` option a `+lookup=N` suffix for the prompt-lookup continuations grafted onto its tree,
-`+lookup=0` for the heads alone) and the
+trees takes an optional `@TREE` suffix to run the same heads with another tree, and `+OPTION=VALUE`
+suffixes set any of the method's options, e.g. `+lookup=0` for the heads alone or `+draft_dtype=int8`)
+and the
 transformers baselines `hf` (`generate`), `hf-assisted:PATH` (assisted generation with a draft
 model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Every method answers the same
 rendered prompt; on a second turn each method sees its own first answer. For greedy runs each
@@ -15,6 +15,7 @@ Running lives here; tables, files, plots and W&B live in `bench_report.py`.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +35,8 @@ from specheads.questions import Question
 from specheads.target import render_chat
 
 BASELINES = ("hf", "hf-assisted", "hf-pld")
-_LOOKUP_SUFFIX = "+lookup="  # "KIND:DIR+lookup=0": the heads without prompt lookup grafted on
+# "KIND:DIR+lookup=0+draft_dtype=int8": trailing option settings (the value may not contain "+" or "@")
+_OPTION_SUFFIX = re.compile(r"\+([a-z][a-z0-9_-]*)=([^+@]*)$")
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
 
 
@@ -49,6 +51,7 @@ class MethodSpec:
     arg: str | None = None  # draft model, heads folder, assistant model, or hf-pld draft length
     tree: str | None = None  # a named tree (or a tree file, where the method reads them) from an "@TREE" suffix
     lookup: int | None = None  # prompt-lookup continuations from a "+lookup=N" suffix (None: the method's default)
+    settings: tuple[tuple[str, str], ...] = ()  # every "+OPTION=VALUE" suffix, as written
     options: Any = None  # the engine method's options (None for the HF baselines)
 
 
@@ -87,21 +90,28 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
         raise ValueError(f"method {method} takes no argument, got {name!r}")
     if m.arg is not None and not arg:
         raise ValueError(f"method {method} needs a path: {method}:{m.arg_hint}")
-    tree = lookup = None
-    if m.takes("lookup") and _LOOKUP_SUFFIX in arg:  # "KIND:DIR@TREE+lookup=0"
-        arg, _, n = arg.rpartition(_LOOKUP_SUFFIX)
-        if not (arg and n.isdigit()):
-            raise ValueError(f"{name}: write {method}:DIR{_LOOKUP_SUFFIX}N with N >= 0 continuations, "
-                             f"e.g. {method}:runs/x/final{_LOOKUP_SUFFIX}0 for the heads alone")
-        lookup = int(n)
+    found: list[tuple[str, str]] = []  # read right to left
+    while (suffix := _OPTION_SUFFIX.search(arg)) and m.takes(key := suffix[1].replace("-", "_")):
+        if any(k == key for k, _ in found):
+            raise ValueError(f"{name}: +{key}= is given twice")
+        found.append((key, suffix[2]))
+        arg = arg[: suffix.start()]
+    settings = dict(reversed(found))
+    tree = None
     if m.takes("tree") and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
         arg, _, tree = arg.rpartition("@")
         if not arg or not tree:
             example = list(m.trees)[-1] if m.trees else "TREE"
             raise ValueError(f"{name}: write {method}:DIR@TREE, e.g. {method}:runs/x/final@{example}")
-    values = {"tree": tree, "lookup": lookup, **({m.arg: arg} if m.arg else {})}
-    return MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=lookup,
-                      options=m.make_options(values))
+    if m.arg is not None and not arg:
+        raise ValueError(f"{name}: {method} needs a path before its suffixes: {method}:{m.arg_hint}[@TREE][+OPTION=VALUE]")
+    try:
+        values = {key: m.parse_option(key, text) for key, text in settings.items()}
+        options = m.make_options({**values, "tree": tree, **({m.arg: arg} if m.arg else {})})
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    return MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=values.get("lookup"),
+                      settings=tuple(settings.items()), options=options)
 
 
 class Runner(Protocol):

@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import torch
 
+from specheads.int8 import Int8Matrix
+
 
 class ContextVocabulary:
     """Scores the draft vocabulary plus every token seen so far in the current request."""
 
-    def __init__(self, lm_weight: torch.Tensor, draft_ids: torch.Tensor | None, enabled: bool = True) -> None:
+    def __init__(self, lm_weight: torch.Tensor, draft_ids: torch.Tensor | None, enabled: bool = True,
+                 int8: bool = False) -> None:
         """`lm_weight` [V, H] is the target's LM head; `draft_ids` [Vd] the head's sorted draft vocabulary
-        (None: the whole vocabulary, nothing to add). With `enabled=False` only the draft vocabulary is scored."""
+        (None: the whole vocabulary, nothing to add). With `enabled=False` only the draft vocabulary is scored.
+        With `int8` the draft vocabulary's rows are scored in int8 (`specheads/int8.py`); added rows stay as they are."""
         self._lm_weight = lm_weight
         self._base_ids = draft_ids
         self._base_weight = lm_weight if draft_ids is None else lm_weight[draft_ids]  # [Vd, H], gathered once
+        self._base_int8 = Int8Matrix(self._base_weight) if int8 else None
         self.enabled = enabled and draft_ids is not None
         # Membership lives on the CPU, where the engine's committed tokens are: checking a step's few
         # tokens costs no device sync; only the rare new rows go to the weight's device.
@@ -65,7 +70,7 @@ class ContextVocabulary:
         # W @ hᵀ rather than h @ Wᵀ: for the 1-4 rows a draft level has, fp32 CPU GEMM runs 2-3.5x faster
         # in this layout (8192-row draft head, 2 threads); the result is the same product.
         h = hidden.to(self._base_weight.dtype).T
-        out = self._base_weight @ h
+        out = self._base_weight @ h if self._base_int8 is None else self._base_int8(hidden).T
         if self._extra_ids.numel():
             out = torch.cat([out, self._extra_weight @ h])
         return out.T.float()

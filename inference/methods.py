@@ -65,6 +65,14 @@ class Method:
             raise ValueError(f"method {self.name!r} needs {flag(self.arg)} {self.arg_hint}")
         return self.options(**given)
 
+    def parse_option(self, name: str, text: str) -> Any:
+        """The value of option `name` written as `text` (bench's `+NAME=VALUE`), converted to the option's type."""
+        kind = _scalar(typing.get_type_hints(self.options)[name], f"{self.name}.{name}")
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{flag(name)} takes {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+
     def heads_alone(self, path: str) -> Any:
         """Options for the drafter saved at `path` with nothing grafted on (what training measures)."""
         return self.make_options({self.arg: path, **({"lookup": 0} if self.takes("lookup") else {})})

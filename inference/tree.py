@@ -8,6 +8,7 @@ and siblings are distinct tokens. A chain is a tree with one child per node.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,27 +24,36 @@ class DraftTree:
     draft_probs: torch.Tensor | None = None  # [N, V] fp32
     depths: torch.Tensor = field(init=False)  # [N] long; root has depth 0
     ancestors: torch.Tensor = field(init=False)  # [N, N] bool; ancestors[i, j]: j is i or an ancestor of i
-    children: tuple[tuple[int, ...], ...] = field(init=False)  # per node, its children in draft order
 
     def __post_init__(self) -> None:
-        parents = self.parents.tolist()
-        n = len(parents)
+        n = self.parents.shape[0]
         assert self.tokens.shape == (n,), (self.tokens.shape, n)
-        assert n >= 1 and parents[0] == -1 and all(0 <= p < i for i, p in enumerate(parents) if i > 0)
-        depths = [0] * n
+        parents = self.parents.cpu()
+        assert n >= 1 and int(parents[0]) == -1, "node 0 is the root"
+        assert bool((parents[1:] >= 0).all()) and bool((parents[1:] < torch.arange(1, n)).all()), \
+            "parents must come before their children"
+        # Walk every node up one level at a time (as many rounds as the tree is deep), on tensors.
         anc = torch.eye(n, dtype=torch.bool)
-        kids: list[list[int]] = [[] for _ in range(n)]
-        for i in range(1, n):
-            p = parents[i]
-            depths[i] = depths[p] + 1
-            anc[i] |= anc[p]
-            kids[p].append(i)
+        depths = torch.zeros(n, dtype=torch.long)
+        rows = torch.arange(n)
+        up = parents.clone()
+        while bool((up >= 0).any()):
+            live = up >= 0
+            anc[rows[live], up[live]] = True
+            depths += live
+            up = torch.where(live, parents[up.clamp(min=0)], up)
         device = self.tokens.device
-        object.__setattr__(self, "depths", torch.tensor(depths, dtype=torch.long, device=device))
+        object.__setattr__(self, "depths", depths.to(device))
         object.__setattr__(self, "ancestors", anc.to(device))
-        object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
         if self.draft_probs is not None:
             assert self.draft_probs.shape[0] == n, (self.draft_probs.shape, n)
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:  # per node, its children in draft order
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            kids[p].append(i)
+        return tuple(tuple(k) for k in kids)
 
     @classmethod
     def root_only(cls, token: int | torch.Tensor, device: torch.device | str = "cpu") -> DraftTree:
@@ -82,8 +92,8 @@ class DraftTree:
         return int(self.depths.max())
 
     @property
-    def is_chain(self) -> bool:
-        return all(len(k) <= 1 for k in self.children)
+    def is_chain(self) -> bool:  # one child per node: in topological order, node i's parent is i - 1
+        return torch.equal(self.parents.cpu(), torch.arange(-1, self.size - 1))
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to `node`, inclusive."""

@@ -20,8 +20,6 @@ sampling alike (the verifier treats each draft as one-hot).
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,6 +36,7 @@ from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.lookup import HeadsOptions, with_lookup
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
+from specheads.int8 import quantize_linears
 
 
 @dataclass(frozen=True)
@@ -73,6 +72,9 @@ def eagle_tree(name: str | None) -> EagleTreeConfig:
     return EAGLE_TREES[name]
 
 
+DRAFT_DTYPES = ("target", "int8")  # the heads' weights: as loaded (the target's dtype) or int8
+
+
 class DraftScorer(Protocol):
     """Turns a head's outputs into draft logits over the tokens it can draft (e.g. `ContextVocabulary`)."""
 
@@ -86,15 +88,17 @@ class EagleProposer:
     needs_target_hidden = True
 
     def __init__(self, head: nn.Module, config: EagleTreeConfig = EagleTreeConfig(), context_vocab: bool = True,
-                 vocab: DraftScorer | None = None) -> None:
+                 vocab: DraftScorer | None = None, int8_vocab: bool = False) -> None:
         """`head` is an EAGLE head or any module drafting the same way (`forward(tokens, features, positions, mask,
         cache)`, `select_features`, `layer_config`, `fc`). `vocab` scores its outputs; by default the target's LM
-        head over the head's draft vocabulary, plus (with `context_vocab`) the request's own tokens outside it."""
+        head over the head's draft vocabulary (in int8 with `int8_vocab`), plus (with `context_vocab`) the request's
+        own tokens outside it."""
         self.head = head.eval()
         self.config = config
-        self.device = next(head.parameters()).device
+        first = next(head.parameters())  # an int8 head keeps its norms in its activations' dtype
+        self.device, self.dtype = first.device, first.dtype
         self.vocab = vocab if vocab is not None else ContextVocabulary(head.lm_head.weight.detach(), head.draft_ids,
-                                                                       enabled=context_vocab)
+                                                                       enabled=context_vocab, int8=int8_vocab)
         self._cache: TreeKVCache | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # target features [m, D], tokens [m]
         self._n_pairs = 0  # committed (feature, token) pairs in the head cache
@@ -131,7 +135,6 @@ class EagleProposer:
         depth = min(self.config.depth, ctx.max_depth)
         if self._pending is None or depth < 1:
             return DraftTree.root_only(root)
-        cfg = self.config
         cache = self._cache
         feats, toks = self._pending
         self._pending = None
@@ -139,84 +142,72 @@ class EagleProposer:
         start = self._n_pairs
         positions = torch.arange(start, start + m, device=self.device)
         mask = _block_causal_mask(start, m, feats.dtype, self.device)
-        out = self.head(toks[None], feats[None].to(self.head.fc.weight.dtype), positions[None], mask, cache)[0]
+        out = self.head(toks[None], feats[None].to(self.dtype), positions[None], mask, cache)[0]
         self._n_pairs = start + m
-        committed = self._n_pairs
-        root_pos = committed  # the root's children sit at the next position
-
-        # Node 0 is the root; per node: token, parent, score, head output that predicts its children.
-        tokens = [root]
-        parents = [-1]
-        scores = [0.0]
-        node_depth = [0]
-        logp = self._draft_logprobs(out[-1:])[0]  # children of the root
-        top = logp.topk(cfg.topk)
-        level = []
-        for s, i in zip(top.values.tolist(), self.vocab.token_ids(top.indices).tolist()):
-            level.append(len(tokens))
-            tokens.append(i)
-            parents.append(0)
-            scores.append(s)
-            node_depth.append(1)
-        parent_hidden = {0: out[-1]}  # node -> head output predicting its children
-        fed: list[int] = []  # nodes whose pairs sit in the head cache after the committed ones
-        for d in range(2, depth + 1):
-            expand = heapq.nlargest(cfg.topk, level, key=lambda n: scores[n])
-            # Feed (predicted feature of the node's parent, node token) for each expanded node.
-            x_feat = torch.stack([parent_hidden[parents[n]] for n in expand])[None]
-            x_tok = torch.tensor([tokens[n] for n in expand], device=self.device)[None]
-            pos = torch.full((1, len(expand)), root_pos + d - 2, device=self.device)
-            mask = self._tree_mask(expand, fed, parents, committed, x_feat.dtype)
-            h = self.head(x_tok, x_feat, pos, mask, cache)[0]  # [E, H]
-            fed.extend(expand)
-            logp = self._draft_logprobs(h)  # [E, Vd]
-            top = logp.topk(cfg.topk, dim=-1)
-            level = []
-            cand_tokens = self.vocab.token_ids(top.indices).tolist()
-            for row, n in enumerate(expand):
-                parent_hidden[n] = h[row]
-                for s, t in zip(top.values[row].tolist(), cand_tokens[row]):
-                    level.append(len(tokens))
-                    tokens.append(t)
-                    parents.append(n)
-                    scores.append(scores[n] + s)
-                    node_depth.append(d)
+        committed = self._n_pairs  # the root's children sit at position `committed`
+        tree = self._expand(out[-1], root, committed, depth)
         cache.truncate(committed)
+        return tree
 
-        # Rerank: best total_tokens-1 nodes by score, ancestor-closed, then breadth-first order.
-        order = sorted(range(1, len(tokens)), key=lambda n: (-scores[n], node_depth[n]))
-        keep = {0}
-        for n in order:
-            if len(keep) >= cfg.total_tokens:
-                break
-            if parents[n] in keep:
-                keep.add(n)
-        if cfg.min_expected_accepted > 0:
-            expected = sum(math.exp(scores[n]) for n in keep if n)
-            if expected < cfg.min_expected_accepted:
-                return DraftTree.root_only(root)
-        chosen = sorted(keep, key=lambda n: (node_depth[n], -scores[n]))
-        index = {n: i for i, n in enumerate(chosen)}
-        return DraftTree(
-            tokens=torch.tensor([tokens[n] for n in chosen], dtype=torch.long),
-            parents=torch.tensor([index[parents[n]] if n else -1 for n in chosen], dtype=torch.long),
-        )
+    def _expand(self, root_hidden: torch.Tensor, root: int, committed: int, depth: int) -> DraftTree:
+        """Steps 2-3 on tensors: one head forward per level, no Python loop over nodes.
 
-    def _tree_mask(self, expand: list[int], fed: list[int], parents: list[int], committed: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-        """[1, 1, E, committed + len(fed) + E]: committed pairs, the node's fed ancestors, itself."""
-        cols = fed + expand
-        col_of = {n: i for i, n in enumerate(cols)}
-        allowed = torch.zeros(len(expand), len(cols), dtype=torch.bool)
-        for r, n in enumerate(expand):
-            a = n
-            while a > 0:  # the root's own pair is committed, not fed
-                if a in col_of:
-                    allowed[r, col_of[a]] = True
-                a = parents[a]
-        mask = torch.zeros(1, 1, len(expand), committed + len(cols), dtype=dtype, device=self.device)
-        mask[0, 0, :, committed:].masked_fill_(~allowed.to(self.device), torch.finfo(dtype).min)
-        return mask
+        Candidates are numbered in creation order: level 1 holds the root's `topk` children, every later
+        level `topk` children of each of its `topk` expanded parents. Scores (cumulative draft log-probability)
+        add up in float64, so rankings are those of exact sums. Ties go to the earlier candidate everywhere.
+        """
+        cfg, k, dev = self.config, self.config.topk, self.device
+        logp = self._draft_logprobs(root_hidden[None])  # [1, C]: children of the root
+        top = logp.topk(k, dim=-1)
+        tokens = [self.vocab.token_ids(top.indices[0])]  # per level: [n_d] candidate tokens
+        scores = [top.values[0].double()]  # per level: [n_d] cumulative log-probabilities
+        parents = [torch.zeros(k, dtype=torch.long, device=dev)]  # per level: [n_d] parent candidate (0 = root)
+        # Per level: which fed row predicts each candidate's children (-1: the root, whose pair is committed)
+        # and the head output holding that prediction's input feature.
+        parent_row = torch.full((k,), -1, dtype=torch.long, device=dev)  # [n_d]
+        parent_hidden = root_hidden.expand(k, -1)  # [n_d, H]
+        first_id = 1  # candidate number of the level's first node
+        seen = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [F, F]: fed row i sees fed row j (an ancestor or itself)
+        for d in range(2, depth + 1):
+            level_scores = scores[-1]
+            expand = torch.sort(level_scores, descending=True, stable=True).indices[:k]  # [E]
+            e, fed = expand.shape[0], seen.shape[0]
+            rows = torch.zeros(e, fed + e, dtype=torch.bool, device=dev)  # what each expanded node sees among fed pairs
+            prow = parent_row[expand]
+            has_parent = prow >= 0
+            rows[has_parent, :fed] = seen[prow[has_parent]]
+            rows[:, fed:] = torch.eye(e, dtype=torch.bool, device=dev)
+            seen = torch.cat([torch.nn.functional.pad(seen, (0, e)), rows])
+            mask = torch.zeros(1, 1, e, committed + fed + e, dtype=parent_hidden.dtype, device=dev)
+            mask[0, 0, :, committed:].masked_fill_(~rows, torch.finfo(mask.dtype).min)
+            pos = torch.full((1, e), committed + d - 2, device=dev)
+            # Feed (predicted feature of the node's parent, node token) for each expanded node.
+            h = self.head(tokens[-1][expand][None], parent_hidden[expand][None], pos, mask, self._cache)[0]  # [E, H]
+            top = self._draft_logprobs(h).topk(k, dim=-1)  # [E, k]
+            tokens.append(self.vocab.token_ids(top.indices).flatten())
+            scores.append((level_scores[expand][:, None] + top.values.double()).flatten())
+            parents.append((first_id + expand).repeat_interleave(k))
+            parent_row = (fed + torch.arange(e, device=dev)).repeat_interleave(k)
+            parent_hidden = h.repeat_interleave(k, dim=0)
+            first_id += level_scores.shape[0]
+
+        # Rerank: the best total_tokens-1 candidates by (score desc, depth asc). A child never scores above its
+        # parent (log-probabilities are <= 0) and ties go to the shallower node, so the set is ancestor-closed.
+        all_scores = torch.cat(scores)  # [M], candidate i+1 at index i
+        all_depths = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(tokens)])
+        by_depth = torch.sort(all_depths, stable=True).indices
+        order = by_depth[torch.sort(all_scores[by_depth], descending=True, stable=True).indices]
+        keep = order[: cfg.total_tokens - 1]
+        if cfg.min_expected_accepted > 0 and float(all_scores[keep].exp().sum()) < cfg.min_expected_accepted:
+            return DraftTree.root_only(root)
+        # Breadth-first: by depth, then score (keep is already in score order).
+        keep = keep[torch.sort(all_depths[keep], stable=True).indices]
+        index = torch.full((all_scores.shape[0] + 1,), -1, dtype=torch.long, device=dev)
+        index[0] = 0
+        index[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
+        node_parents = index[torch.cat(parents)[keep]]
+        node_tokens = torch.cat([torch.tensor([root], device=dev), torch.cat(tokens)[keep]])
+        return DraftTree(tokens=node_tokens.cpu(), parents=torch.cat([torch.tensor([-1]), node_parents.cpu()]))
 
 
 def _block_causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -236,10 +227,14 @@ class EagleOptions(HeadsOptions):
     total_tokens: int | None = option("tree size including the root")
     min_expected_accepted: float | None = option("take a plain step when the draft expects fewer accepted tokens "
                                                  "(CPU: try 0.7)")
+    draft_dtype: str | None = option(f"{', '.join(DRAFT_DTYPES)}: the heads' weights as loaded (default) or int8 "
+                                     "(CPU: drafting reads a quarter of the bytes; outputs stay exact)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         eagle_tree(self.tree)  # a bad name fails before anything loads
+        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"unknown --draft-dtype {self.draft_dtype!r}; use one of: {', '.join(DRAFT_DTYPES)}")
 
 
 def tree_proposer(target, options: EagleOptions, kind: str,
@@ -247,11 +242,14 @@ def tree_proposer(target, options: EagleOptions, kind: str,
     """The `kind` heads in `options.heads` drafting the tree `options` name, prompt lookup grafted on."""
     base = eagle_tree(options.tree)
     head = load_drafter(options.heads, target, kind=kind)
+    int8 = options.draft_dtype == "int8"
+    if int8:
+        quantize_linears(head)
     tree = EagleTreeConfig(depth=options.depth or base.depth, topk=options.topk or base.topk,
                            total_tokens=options.total_tokens or base.total_tokens,
                            min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
                            else options.min_expected_accepted)
-    return with_lookup(EagleProposer(head, tree, vocab=scorer(head)), options.lookup)
+    return with_lookup(EagleProposer(head, tree, vocab=scorer(head), int8_vocab=int8), options.lookup)
 
 
 register_method(Method(

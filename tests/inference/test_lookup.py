@@ -86,6 +86,13 @@ def test_bench_specs_take_a_lookup_suffix(tmp_path, monkeypatch):
     specs = parse_methods("eagle:runs/x/final+lookup=0,eagle:runs/x/final@eagle2+lookup=2,medusa:runs/m/final")
     assert [(s.arg, s.tree, s.lookup) for s in specs] == [
         ("runs/x/final", None, 0), ("runs/x/final", "eagle2", 2), ("runs/m/final", None, None)]
-    for bad in ("eagle:runs/x/final+lookup=", "eagle:runs/x/final+lookup=-1", "eagle:+lookup=1"):
-        with pytest.raises(ValueError, match=r"\+lookup=N with N >= 0"):
+    for bad, message in (("eagle:runs/x/final+lookup=", "--lookup takes an integer, got ''"),
+                         ("eagle:runs/x/final+lookup=-1", "--lookup must be >= 0"),
+                         ("eagle:+lookup=1", r"eagle needs a path before its suffixes: eagle:DIR\[@TREE\]")):
+        with pytest.raises(ValueError, match=message):
             parse_methods(bad)
+    spec = parse_methods("eagle:runs/x/final@eagle2+draft_dtype=int8+lookup=0")[0]
+    assert (spec.arg, spec.tree, spec.lookup, spec.options.draft_dtype) == ("runs/x/final", "eagle2", 0, "int8")
+    assert spec.settings == (("draft_dtype", "int8"), ("lookup", "0"))
+    with pytest.raises(ValueError, match="unknown --draft-dtype 'int4'; use one of: target, int8"):
+        parse_methods("eagle:runs/x/final+draft_dtype=int4")

@@ -1,0 +1,69 @@
+"""Int8 drafters on CPU: linear layers with int8 weights, for proposers only.
+
+Drafting a tree is a handful of one-to-four-row products per level, so on CPU it is bound by how many
+weight bytes it reads; int8 weights read a quarter of fp32's. A drafter only proposes and the target
+verifies every token, so a quantised drafter leaves the output exact; it can only change how many
+drafts are accepted (measure τ with `specheads bench`, e.g. `eagle:DIR+draft_dtype=int8`).
+
+Weights are quantised per output channel (symmetric, scale = max |w| / 127); activations are quantised
+per call (dynamic quantisation, 7-bit range) by PyTorch's fbgemm (x86) or qnnpack (ARM) kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def int8_supported() -> bool:
+    return bool(set(torch.backends.quantized.supported_engines) & {"fbgemm", "x86", "qnnpack"})
+
+
+def _check_supported() -> None:
+    if not int8_supported():
+        raise ValueError("this PyTorch build has no int8 CPU kernels (fbgemm, x86 or qnnpack); "
+                         "use --draft-dtype float32 or bfloat16")
+
+
+class Int8Matrix:
+    """A [N, K] weight matrix packed as per-channel int8 for `x @ Wᵀ` products with fp32 inputs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        _check_supported()
+        if weight.device.type != "cpu":
+            raise ValueError(f"int8 drafters run on the CPU; the weight is on {weight.device} (use --draft-dtype bfloat16 "
+                             "on a GPU)")
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        self.shape = tuple(w.shape)
+        self._packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N], fp32
+        # reduce_range: 7-bit activations, or x86 kernels saturate their 16-bit pair sums (errors of ~30%).
+        return torch.ops.quantized.linear_dynamic(x.float().contiguous(), self._packed, True)
+
+
+class Int8Linear(nn.Module):
+    """An nn.Linear replaced by its int8 form (no gradients; inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.matrix = Int8Matrix(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matrix(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_linears(module: nn.Module) -> nn.Module:
+    """Replace every nn.Linear inside `module` (not the module itself) with an Int8Linear, in place."""
+    _check_supported()
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child))
+    return module

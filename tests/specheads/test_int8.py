@@ -1,0 +1,31 @@
+import pytest
+import torch
+from torch import nn
+
+from specheads import int8
+from specheads.int8 import Int8Linear, Int8Matrix, quantize_linears
+
+
+def test_int8_linear_is_close_to_the_fp32_one():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(5, 64)
+    got, want = Int8Linear(linear)(x), linear(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # 8-bit weights and activations
+    assert not torch.equal(got, want)  # it really is quantised
+
+
+def test_quantize_linears_replaces_every_linear_inside():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4), nn.LayerNorm(4)))
+    x = torch.randn(3, 8)
+    want = model(x)
+    quantize_linears(model)
+    assert [type(m).__name__ for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear))] == ["Int8Linear"] * 2
+    torch.testing.assert_close(model(x), want, atol=0.1, rtol=0.1)
+
+
+def test_without_int8_kernels_the_error_names_the_way_out(monkeypatch):
+    monkeypatch.setattr(int8, "int8_supported", lambda: False)
+    with pytest.raises(ValueError, match="no int8 CPU kernels .* use --draft-dtype"):
+        Int8Matrix(torch.randn(4, 4))
