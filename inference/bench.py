@@ -216,6 +216,7 @@ class Record:
     measures_tau: bool = True  # False for HF baselines: τ and acceptance are unknown, not 0
     matches_ar: bool | None = None  # greedy runs only
     first_mismatch: int | None = None  # first output position that differs from ar's
+    margin_fp32: float | None = None  # there, the target's fp32 logit gap between ar's token and this one (divergence.py)
 
 
 def run_bench(

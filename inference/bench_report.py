@@ -21,15 +21,15 @@ PLOTS = ("speedup_by_category.png", "tau_histogram.png", "accept_per_position.pn
 class BenchReport:
     overall: list[MethodSummary]  # one row per method, category "all"
     by_category: list[MethodSummary]  # one row per (category, method)
-    mismatches: list[dict]  # greedy outputs that differ from ar's: method, question_id, turn, first_mismatch
+    mismatches: list[dict]  # greedy outputs that differ from ar's: method, question_id, turn, first_mismatch, margin_fp32
     config: dict = field(default_factory=dict)  # what was run (target, methods, sampling, versions, ...)
 
 
 def build_report(records: list[Record], *, greedy: bool, config: dict | None = None) -> BenchReport:
     overall = summarize(records, greedy=greedy)
     by_category = summarize(records, greedy=greedy, by_category=True)
-    mismatches = [{"method": r.method, "question_id": r.question_id, "turn": r.turn, "first_mismatch": r.first_mismatch}
-                  for r in records if r.matches_ar is False]
+    mismatches = [{"method": r.method, "question_id": r.question_id, "turn": r.turn, "first_mismatch": r.first_mismatch,
+                   "margin_fp32": r.margin_fp32} for r in records if r.matches_ar is False]
     return BenchReport(overall, by_category, mismatches, dict(config or {}))
 
 
@@ -42,7 +42,7 @@ def record_row(rec: Record) -> dict:
         stats["ttft_s"] = None
     return {"question_id": rec.question_id, "category": rec.category, "turn": rec.turn, "method": rec.method,
             "prompt_tokens": len(rec.prompt_ids), "output_ids": rec.output_ids, "stats": stats,
-            "matches_ar": rec.matches_ar, "first_mismatch": rec.first_mismatch}
+            "matches_ar": rec.matches_ar, "first_mismatch": rec.first_mismatch, "margin_fp32": rec.margin_fp32}
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -76,14 +76,28 @@ def summary_markdown(report: BenchReport) -> str:
     parts += ["## Overall", "", markdown_table(report.overall), "",
               "## Per category", "", markdown_table(report.by_category, with_category=True), ""]
     if report.mismatches:
-        parts += ["## Greedy mismatches against ar", ""]
+        parts += ["## Greedy mismatches against ar", "", mismatch_summary(report.mismatches), ""]
         parts += [f"- {m['method']}, question {m['question_id']} turn {m['turn']}: first differs at output token "
-                  f"{m['first_mismatch']}" for m in report.mismatches]
+                  f"{m['first_mismatch']}" + _margin_text(m) for m in report.mismatches]
         parts.append("")
     parts += ["τ: tokens committed per target forward (accepted + 1), mean over generations; speedups: median of "
               "per-generation tok/s ratios; accept ≥i: share of steps accepting at least i draft tokens; "
               "\"-\": not measured (HF baselines hide their steps).", ""]
     return "\n".join(parts)
+
+
+def _margin_text(m: dict) -> str:
+    return "" if m.get("margin_fp32") is None else f", fp32 logit margin {m['margin_fp32']:.4f}"
+
+
+def mismatch_summary(mismatches: list[dict]) -> str:
+    """One line: how many outputs left ar's, and the largest fp32 margin at which one did (the exactness rule's test)."""
+    margins = [m["margin_fp32"] for m in mismatches if m.get("margin_fp32") is not None]
+    line = f"{len(mismatches)} greedy outputs differ from ar's"
+    if margins:
+        line += (f"; the largest fp32 logit margin between the two tokens where one first differs: {max(margins):.4f} "
+                 f"(over {len(margins)} with a measured margin)")
+    return line
 
 
 def require_plotting() -> None:
@@ -217,10 +231,10 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
                                                   for s in [*report.overall, *report.by_category]])
         rows = [record_row(r) for r in records]
         results = wandb.Table(columns=["question_id", "category", "turn", "method", "new_tokens", "tokens_per_s", "tau",
-                                       "ttft_s", "matches_ar", "first_mismatch"],
+                                       "ttft_s", "matches_ar", "first_mismatch", "margin_fp32"],
                               data=[[str(r["question_id"]), r["category"], r["turn"], r["method"],
                                      r["stats"]["new_tokens"], r["stats"]["tokens_per_s"], r["stats"]["tau"],
-                                     r["stats"]["ttft_s"], r["matches_ar"], r["first_mismatch"]] for r in rows])
+                                     r["stats"]["ttft_s"], r["matches_ar"], r["first_mismatch"], r["margin_fp32"]] for r in rows])
         log: dict = {"bench/summary": summary, "bench/results": results}
         for metric in ("speedup_vs_ar", "speedup_vs_hf", "tau", "tokens_per_s"):
             data = [[s.method, getattr(s, metric)] for s in report.overall if getattr(s, metric) is not None]

@@ -209,7 +209,8 @@ def _run_bench(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specheads.inference import bench_report
-    from specheads.inference.bench import build_runners, parse_methods, run_bench
+    from specheads.inference.bench import build_runners, mark_exactness, parse_methods, run_bench
+    from specheads.inference.divergence import attach_margins
     from specheads.inference.proposers.draft_model import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
@@ -278,15 +279,24 @@ def _run_bench(args: argparse.Namespace) -> None:
         if results is not None:
             results.close()
 
-    # 4. Report.
+    # 4. Report; in greedy runs, every divergence from ar gets the fp32 margin at which it happened.
     config["interrupted"] = interrupted
+    if sampling.greedy:
+        mark_exactness(records)
+        if any(r.matches_ar is False for r in records):
+            reference = model if model.dtype == torch.float32 else load_target(
+                args.target, device=args.device, dtype="float32", weight_layout=args.weight_layout)[0]
+            attach_margins(records, reference)
     report = bench_report.build_report(records, greedy=sampling.greedy, config=config)
     print(bench_report.markdown_table(report.overall))
     print()
     print(bench_report.markdown_table(report.by_category, with_category=True))
     for m in report.mismatches:
+        margin = "" if m["margin_fp32"] is None else f" (fp32 logit margin {m['margin_fp32']:.4f})"
         print(f"mismatch: {m['method']} question {m['question_id']} turn {m['turn']} differs from ar at output token "
-              f"{m['first_mismatch']}", file=sys.stderr)
+              f"{m['first_mismatch']}{margin}", file=sys.stderr)
+    if report.mismatches:
+        print(bench_report.mismatch_summary(report.mismatches), file=sys.stderr)
     with tempfile.TemporaryDirectory() as scratch:
         if args.output is not None:
             plots = bench_report.write_report(report, records, args.output)

@@ -11,18 +11,25 @@ per call (dynamic quantisation, 7-bit range) by PyTorch's fbgemm (x86) or qnnpac
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 
 def int8_supported() -> bool:
-    return bool(set(torch.backends.quantized.supported_engines) & {"fbgemm", "x86", "qnnpack"})
+    """True where this PyTorch has int8 CPU kernels and the dynamic quantised linear op (deprecated upstream)."""
+    try:
+        has_op = torch.ops.quantized.linear_dynamic is not None and torch.ops.quantized.linear_prepack is not None
+    except (AttributeError, RuntimeError):
+        has_op = False
+    return has_op and bool(set(torch.backends.quantized.supported_engines) & {"fbgemm", "x86", "qnnpack"})
 
 
 def _check_supported() -> None:
     if not int8_supported():
-        raise ValueError("this PyTorch build has no int8 CPU kernels (fbgemm, x86 or qnnpack); "
-                         "use --draft-dtype float32 or bfloat16")
+        raise ValueError("this PyTorch build has no int8 CPU kernels (quantized::linear_dynamic with fbgemm, x86 or "
+                         "qnnpack); leave --draft-dtype at its default (target)")
 
 
 class Int8Matrix:
@@ -31,11 +38,13 @@ class Int8Matrix:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         _check_supported()
         if weight.device.type != "cpu":
-            raise ValueError(f"int8 drafters run on the CPU; the weight is on {weight.device} (use --draft-dtype bfloat16 "
-                             "on a GPU)")
+            raise ValueError(f"int8 drafters run on the CPU, but these heads are on {weight.device}; leave --draft-dtype "
+                             "at its default there")
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
-        q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        with warnings.catch_warnings():  # quantised tensor types are deprecated; int8_supported() guards their removal
+            warnings.simplefilter("ignore", UserWarning)
+            q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
         self.shape = tuple(w.shape)
         self._packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
 

@@ -191,13 +191,12 @@ class EagleProposer:
             parent_hidden = h.repeat_interleave(k, dim=0)
             first_id += level_scores.shape[0]
 
-        # Rerank: the best total_tokens-1 candidates by (score desc, depth asc). A child never scores above its
-        # parent (log-probabilities are <= 0) and ties go to the shallower node, so the set is ancestor-closed.
+        # Rerank: the best total_tokens-1 candidates by score. Candidates are numbered level by level, so the stable
+        # sort sends ties to the shallower node; as a child never scores above its parent (log-probabilities are
+        # <= 0), the set is ancestor-closed.
         all_scores = torch.cat(scores)  # [M], candidate i+1 at index i
         all_depths = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(tokens)])
-        by_depth = torch.sort(all_depths, stable=True).indices
-        order = by_depth[torch.sort(all_scores[by_depth], descending=True, stable=True).indices]
-        keep = order[: cfg.total_tokens - 1]
+        keep = torch.sort(all_scores, descending=True, stable=True).indices[: cfg.total_tokens - 1]
         if cfg.min_expected_accepted > 0 and float(all_scores[keep].exp().sum()) < cfg.min_expected_accepted:
             return DraftTree.root_only(root)
         # Breadth-first: by depth, then score (keep is already in score order).

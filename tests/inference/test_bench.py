@@ -157,7 +157,10 @@ def test_greedy_mismatch_is_reported_with_its_first_position(tiny_model_dir, que
         assert r["first_mismatch"] == expected
     for r in wrong:
         assert f"question {r['question_id']} turn 1 differs from ar at output token {r['first_mismatch']}" in err
+        both_go_on = r["first_mismatch"] < min(len(r["output_ids"]), len(ar[r["question_id"]]))
+        assert (r["margin_fp32"] is not None and r["margin_fp32"] >= 0) == both_go_on  # fp32 run: its own model
     assert "## Greedy mismatches against ar" in (out_dir / "summary.md").read_text()
+    assert "the largest fp32 logit margin between the two tokens" in (out_dir / "summary.md").read_text()
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary[1]["exact_matches"] == f"{len(drafted) - len(wrong)}/{len(drafted)}"
 
