@@ -47,7 +47,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_weight_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-layout", default="auto", choices=LAYOUTS,
                    help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such as "
-                        "a tree verify run 2-5x faster that way; row-major elsewhere), row, column. Outputs do not depend on it")
+                        "a tree verify run 2-5x faster that way; row-major elsewhere), row, column. Only GEMM rounding changes")
 
 
 def _run_generate(args: argparse.Namespace) -> None:

@@ -5,7 +5,8 @@ fp32, PyTorch's GEMM for `x @ W.T` with W stored row-major ([out, in], the nn.Li
 slow for 4-48 rows: it repacks W on every call. With W stored column-major (the same [out, in] tensor
 whose transpose is contiguous), the same product runs 2-5x faster for those sizes and about as fast
 for one row (measured with `scripts/bench_forward.py`). Values, shapes, parameter names and weight
-ties are unchanged; only strides differ, so checkpoints and outputs are unaffected.
+ties are unchanged; only strides differ, so checkpoints are unaffected and products differ only in
+GEMM rounding (~1e-5 relative). Speculative greedy output still equals `ar`'s in the same layout.
 
 Layouts: "row" (as loaded), "column", or "auto": column for fp32 on CPU, row elsewhere (cuBLAS and
 the oneDNN bf16 paths are fastest with the row-major weights they were tuned for).

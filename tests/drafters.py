@@ -88,12 +88,14 @@ def proposer_for(kind: str, target: nn.Module, folder: Path, values: dict[str, A
     return make_proposer(kind, target, method.make_options({method.arg: str(folder), **values}), None)
 
 
-def check_greedy_equals_plain_greedy(kind: str, target: nn.Module, folder: Path) -> None:
+def check_greedy_equals_plain_greedy(kind: str, target: nn.Module, folder: Path,
+                                     options: list[dict[str, Any]] | None = None) -> None:
+    """For each of `options` (default: the kind's DRAFTERS options), greedy output equals plain greedy output."""
     save_case(kind, target, folder)
     for seed in (1, 2):
         prompt = repetitive_prompt(seed=seed)
         plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW)
-        for values in DRAFTERS[kind].options:
+        for values in DRAFTERS[kind].options if options is None else options:
             res = Engine(target, proposer_for(kind, target, folder, values)).generate(prompt, max_new_tokens=MAX_NEW)
             assert res.output_ids == plain.output_ids, (kind, values)
             assert res.stats.drafted > 0 and res.stats.new_tokens == MAX_NEW, (kind, values)

@@ -83,5 +83,5 @@ def test_greedy_equals_plain_greedy_with_column_major_weights(kind, tmp_path):
     """The CPU default for fp32 (`--weight-layout auto`): the target's linear weights column-major, and the heads
     loaded for it too; only GEMM kernels change, so outputs still equal plain greedy (in the same layout)."""
     target = set_linear_layout(tiny_model("llama"), "column")
-    check_greedy_equals_plain_greedy(kind, target, tmp_path)
+    check_greedy_equals_plain_greedy(kind, target, tmp_path, DRAFTERS[kind].options[:2])
     assert linear_layout(load_drafter(tmp_path, target, kind=kind)) == "column"
