@@ -204,9 +204,9 @@ class EagleProposer:
         index = torch.full((all_scores.shape[0] + 1,), -1, dtype=torch.long, device=dev)
         index[0] = 0
         index[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
-        node_parents = index[torch.cat(parents)[keep]]
-        node_tokens = torch.cat([torch.tensor([root], device=dev), torch.cat(tokens)[keep]])
-        return DraftTree(tokens=node_tokens.cpu(), parents=torch.cat([torch.tensor([-1]), node_parents.cpu()]))
+        nodes = torch.stack([torch.cat(tokens)[keep], index[torch.cat(parents)[keep]]]).cpu()  # [2, K]: one transfer
+        return DraftTree(tokens=torch.cat([torch.tensor([root]), nodes[0]]),
+                         parents=torch.cat([torch.tensor([-1]), nodes[1]]))
 
 
 def _block_causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

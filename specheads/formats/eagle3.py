@@ -143,7 +143,8 @@ def _imported(folder: Path, layout: str, lc: Mapping[str, Any], state: dict[str,
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} ({layout}): {err}") from None
     config = asdict(cfg)
-    return Checkpoint(folder, KIND_NAME, config, foreign_target(verifier, lc["hidden_size"], lc["vocab_size"], lc.get("model_type")), state, {"imported_from": layout})
+    target = foreign_target(verifier, lc["hidden_size"], lc["vocab_size"], lc.get("model_type"))
+    return Checkpoint(folder, KIND_NAME, config, target, state, {"imported_from": layout})
 
 
 def _speculators_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
