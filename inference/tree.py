@@ -22,6 +22,9 @@ class DraftTree:
     # None means the children were chosen deterministically (argmax, top-k, lookup): the verifier then
     # treats each child's draft distribution as one-hot, which keeps acceptance exact.
     draft_probs: torch.Tensor | None = None  # [N, V] fp32
+    # The proposer's estimate that node i is accepted (it and all its ancestors), root 1; None: no estimate.
+    # Only `NodeBudget` reads it, to choose how many nodes are worth verifying; it never affects acceptance.
+    accept_probs: torch.Tensor | None = None  # [N] fp64 on CPU
     depths: torch.Tensor = field(init=False)  # [N] long; root has depth 0
     ancestors: torch.Tensor = field(init=False)  # [N, N] bool; ancestors[i, j]: j is i or an ancestor of i
 
@@ -47,6 +50,8 @@ class DraftTree:
         object.__setattr__(self, "ancestors", anc.to(device))
         if self.draft_probs is not None:
             assert self.draft_probs.shape[0] == n, (self.draft_probs.shape, n)
+        if self.accept_probs is not None:
+            assert self.accept_probs.shape == (n,), (self.accept_probs.shape, n)
 
     @functools.cached_property
     def children(self) -> tuple[tuple[int, ...], ...]:  # per node, its children in draft order
@@ -68,15 +73,18 @@ class DraftTree:
         parents = torch.arange(-1, n - 1, dtype=torch.long, device=tokens.device)
         return cls(tokens=tokens, parents=parents, draft_probs=draft_probs)
 
-    def with_tokens(self, tokens: torch.Tensor) -> DraftTree:
-        """This tree's shape with new token ids [N], skipping the per-node set-up (for static trees).
+    def with_tokens(self, tokens: torch.Tensor, accept_probs: torch.Tensor | None = None) -> DraftTree:
+        """This tree's shape with new token ids [N] (and acceptance estimates [N]), skipping the per-node set-up
+        (for static trees).
 
         copy.copy does not call __init__, so the derived fields (depths, ancestors, children) are
         shared with this tree; a frozen DraftTree never mutates them.
         """
         assert tokens.shape == self.tokens.shape, (tokens.shape, self.tokens.shape)
+        assert accept_probs is None or accept_probs.shape == tokens.shape, (accept_probs.shape, tokens.shape)
         tree = copy.copy(self)
         object.__setattr__(tree, "tokens", tokens)
+        object.__setattr__(tree, "accept_probs", accept_probs)
         return tree
 
     @property
@@ -104,10 +112,13 @@ class DraftTree:
             node = parents[node]
         return path[::-1]
 
-    def graft(self, paths: list[list[int]], max_new_nodes: int) -> DraftTree:
+    def graft(self, paths: list[list[int]], max_new_nodes: int,
+              path_probs: list[list[float]] | None = None) -> DraftTree:
         """This tree with token paths from the root merged in, trie-style: a path follows existing
         nodes while their tokens match and adds the rest as new nodes, up to `max_new_nodes` in all.
 
+        `path_probs[j][i]`: the estimated acceptance probability of paths[j][:i + 1]; a node both sides
+        propose keeps the larger estimate. The result has `accept_probs` when both sides estimate them.
         Only for deterministic trees (`draft_probs` None): a grafted node has no draft distribution.
         """
         if self.draft_probs is not None:
@@ -117,10 +128,12 @@ class DraftTree:
         tokens = self.tokens.tolist()
         parents = self.parents.tolist()
         child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+        estimated = path_probs is not None and (self.accept_probs is not None or self.size == 1)
+        probs = (self.accept_probs.tolist() if self.accept_probs is not None else [1.0]) if estimated else []
         added = 0
-        for path in paths:
+        for j, path in enumerate(paths):
             node = 0
-            for tok in path:
+            for i, tok in enumerate(path):
                 nxt = child_of.get((node, tok))
                 if nxt is None:
                     if added >= max_new_nodes:
@@ -130,21 +143,33 @@ class DraftTree:
                     parents.append(node)
                     child_of[(node, tok)] = nxt
                     added += 1
+                    if estimated:
+                        probs.append(0.0)
+                if estimated:
+                    probs[nxt] = max(probs[nxt], path_probs[j][i])
                 node = nxt
-        if not added:
+        if not added and not estimated:
             return self
         device = self.tokens.device
         return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                         parents=torch.tensor(parents, dtype=torch.long, device=device))
+                         parents=torch.tensor(parents, dtype=torch.long, device=device),
+                         accept_probs=torch.tensor(probs, dtype=torch.float64) if estimated else None)
 
     def truncated(self, max_depth: int) -> DraftTree:
         """The subtree of nodes at depth <= max_depth (keeps topological order)."""
         if self.max_depth <= max_depth:
             return self
-        keep = (self.depths <= max_depth).nonzero().squeeze(1)
-        remap = torch.full((self.size,), -1, dtype=torch.long, device=self.tokens.device)
-        remap[keep] = torch.arange(keep.shape[0], device=self.tokens.device)
+        return self.subtree((self.depths <= max_depth).nonzero().squeeze(1))
+
+    def subtree(self, keep: torch.Tensor) -> DraftTree:
+        """The nodes `keep` [K] (increasing indices, 0 first, ancestor-closed), renumbered in the same order."""
+        remap = torch.full((self.size,), -1, dtype=torch.long, device=self.parents.device)
+        keep = keep.to(self.parents.device)
+        remap[keep] = torch.arange(keep.shape[0], device=self.parents.device)
         old_parents = self.parents[keep]
         new_parents = torch.where(old_parents >= 0, remap[old_parents.clamp(min=0)], old_parents)
-        probs = None if self.draft_probs is None else self.draft_probs[keep]
-        return DraftTree(tokens=self.tokens[keep], parents=new_parents, draft_probs=probs)
+        assert bool((new_parents[1:] >= 0).all()), "a subtree keeps every kept node's parent"
+        probs = None if self.draft_probs is None else self.draft_probs[keep.to(self.draft_probs.device)]
+        accept = None if self.accept_probs is None else self.accept_probs[keep.cpu()]
+        return DraftTree(tokens=self.tokens[keep.to(self.tokens.device)], parents=new_parents, draft_probs=probs,
+                         accept_probs=accept)

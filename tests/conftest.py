@@ -73,6 +73,15 @@ def start_proposer(proposer, target: torch.nn.Module, prompt: list[int], max_dep
     return ctx
 
 
+@pytest.fixture(autouse=True)
+def _verify_cost_cache(tmp_path_factory, monkeypatch):
+    """Verify-cost curves measured by tests are cached in a temporary folder, never the user's."""
+    import specheads.inference.verify_cost as verify_cost
+
+    folder = tmp_path_factory.getbasetemp() / "verify-cost"
+    monkeypatch.setattr(verify_cost, "default_cache_dir", lambda: folder)
+
+
 @pytest.fixture
 def one_thread():
     """For tests made of thousands of tiny tensor ops: intra-op threads only add synchronisation

@@ -67,10 +67,11 @@ class DrafterCase:
 
 DRAFTERS: dict[str, DrafterCase] = {
     "eagle": DrafterCase(lambda target: random_eagle_head(target, draft_vocab=tuple(range(3, 80))),
-                         [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"draft_dtype": "int8", "lookup": 0}]),
+                         [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"draft_dtype": "int8", "lookup": 0},
+                          {"node_budget": "auto"}]),
     "eagle3": DrafterCase(_eagle3, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
-    "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0}]),
+    "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0}, {"node_budget": "auto"}]),
 }
 
 MAX_NEW = 40

@@ -17,7 +17,7 @@ from torch import nn
 from specheads.heads.checkpoint import load_drafter
 from specheads.inference.methods import METHODS, Method
 from specheads.inference.proposers.base import ProposalContext
-from specheads.inference.proposers.lookup import HeadsOptions, with_lookup
+from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.kinds import KINDS, DrafterKind
@@ -134,7 +134,7 @@ class ToyOptions(HeadsOptions):  # --heads DIR and --lookup N, as every heads me
 
 def build_toy_proposer(target, options: ToyOptions, load_draft):
     head = load_drafter(options.heads, target, kind=NAME)
-    return with_lookup(ToyProposer(head), options.lookup)
+    return with_heads_options(ToyProposer(head), target, options)
 
 
 METHOD = Method(name=NAME, summary=KIND.summary, options=ToyOptions, build=build_toy_proposer, arg="heads",

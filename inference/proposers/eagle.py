@@ -33,7 +33,7 @@ from specheads.inference.cache import TreeKVCache
 from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.methods import Method, option, register_method
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.lookup import HeadsOptions, with_lookup
+from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears
@@ -205,8 +205,10 @@ class EagleProposer:
         index[0] = 0
         index[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
         nodes = torch.stack([torch.cat(tokens)[keep], index[torch.cat(parents)[keep]]]).cpu()  # [2, K]: one transfer
+        probs = all_scores[keep].exp().cpu()  # the draft's own path probability: NodeBudget's estimate
         return DraftTree(tokens=torch.cat([torch.tensor([root]), nodes[0]]),
-                         parents=torch.cat([torch.tensor([-1]), nodes[1]]))
+                         parents=torch.cat([torch.tensor([-1]), nodes[1]]),
+                         accept_probs=torch.cat([torch.ones(1, dtype=torch.float64), probs]))
 
 
 def _block_causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -248,7 +250,7 @@ def tree_proposer(target, options: EagleOptions, kind: str,
                            total_tokens=options.total_tokens or base.total_tokens,
                            min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
                            else options.min_expected_accepted)
-    return with_lookup(EagleProposer(head, tree, vocab=scorer(head), int8_vocab=int8), options.lookup)
+    return with_heads_options(EagleProposer(head, tree, vocab=scorer(head), int8_vocab=int8), target, options)
 
 
 register_method(Method(

@@ -21,7 +21,7 @@ from specheads.heads.checkpoint import load_drafter
 from specheads.heads.medusa import KIND_NAME, MedusaHeads
 from specheads.inference.methods import Method, option, register_method
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.lookup import HeadsOptions, with_lookup
+from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.trees import (
@@ -81,13 +81,21 @@ class MedusaProposer:
         self._gather = torch.tensor([(len(p) - 1) * self.k_max + p[-1] for p in paths], dtype=torch.long)
         # Nodes kept under a depth cap d: 1 (root) + paths no longer than d; a prefix thanks to BFS order.
         self._kept = [1 + sum(len(p) <= d for p in paths) for d in range(depth + 1)]
+        # Path i's nodes' entries in the flat [D * k_max] table, padded with the extra last entry (log 1 = 0).
+        pad = depth * self.k_max
+        self._path_index = torch.tensor([[k * self.k_max + c for k, c in enumerate(p)] + [pad] * (depth - len(p))
+                                         for p in paths], dtype=torch.long)  # [P, D]
         self._templates: dict[int, DraftTree] = {}
         self._topk: torch.Tensor | None = None  # [D * k_max] long on CPU; None until a hidden state is seen
+        self._accept: torch.Tensor | None = None  # [P] fp64: each path's probability under the heads
 
     @torch.inference_mode()
     def _read(self, hidden: torch.Tensor) -> None:  # hidden: [H], the target's last-layer state of one position
         logits = self.heads(hidden.reshape(1, 1, -1), num_heads=self.depth)[:, 0, 0]  # [D, V]
-        self._topk = self.heads.token_ids(logits.topk(self.k_max, dim=-1).indices).flatten().cpu()  # [D * k_max] ids
+        top = logits.float().log_softmax(-1).topk(self.k_max, dim=-1)
+        self._topk = self.heads.token_ids(top.indices).flatten().cpu()  # [D * k_max] ids
+        logp = torch.cat([top.values.flatten().double().cpu(), torch.zeros(1, dtype=torch.float64)])
+        self._accept = logp[self._path_index].sum(1).exp()  # NodeBudget's estimate, as if heads were independent
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         # The prefill covers prompt[:-1]: its last state precedes the root (prompt[-1]), exactly as the
@@ -103,7 +111,8 @@ class MedusaProposer:
             return DraftTree.root_only(root)
         n = self._kept[cap]
         tokens = torch.cat([root.reshape(1).to(torch.long), self._topk[self._gather[: n - 1]]])  # [n]
-        return self._template(cap).with_tokens(tokens)
+        accept = torch.cat([torch.ones(1, dtype=torch.float64), self._accept[: n - 1]])
+        return self._template(cap).with_tokens(tokens, accept_probs=accept)
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         assert target_hidden is not None, "the engine must pass hidden states when needs_target_hidden is set"
@@ -157,7 +166,7 @@ class MedusaOptions(HeadsOptions):
 
 def _build(target, options: MedusaOptions, load_draft) -> Proposer:
     proposer = load_medusa_proposer(options.heads, target, tree=options.tree, max_depth=options.depth)
-    return with_lookup(proposer, options.lookup)
+    return with_heads_options(proposer, target, options)
 
 
 register_method(Method(

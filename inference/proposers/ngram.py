@@ -41,8 +41,13 @@ def find_continuations(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> li
     tokens [T] long (CPU). A continuation is up to `depth` tokens that followed an
     earlier occurrence of the last n tokens.
     """
+    return [cont for _, cont in find_matches(tokens, cfg, depth)]
+
+
+def find_matches(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> list[tuple[int, list[int]]]:
+    """`find_continuations`, each with the length n of the n-gram it continues."""
     total = tokens.shape[0]
-    found: list[list[int]] = []
+    found: list[tuple[int, list[int]]] = []
     seen: set[tuple[int, ...]] = set()
     for n in range(min(cfg.max_ngram, total - 1), cfg.min_ngram - 1, -1):
         tail = tokens[total - n :]
@@ -54,10 +59,35 @@ def find_continuations(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> li
             if not cont or key in seen or any(key == s[: len(key)] for s in seen):
                 continue  # a prefix of a known continuation adds no node
             seen.add(key)
-            found.append(cont)
+            found.append((n, cont))
             if len(found) == cfg.num_candidates:
                 return found
     return found
+
+
+class HitRates:
+    """How often the target accepts a lookup continuation's tokens, per matched n-gram length and depth.
+
+    Estimates P(token d accepted | tokens before it accepted) from the committed text: a continuation
+    token counts as accepted when it equals the token the target committed at its position, whether
+    or not it was verified (so pruned nodes are measured too); positions past the commit are unobserved.
+    Each rate starts from `prior_hits` of `prior_seen`, so the first steps neither trust nor ignore lookup.
+    """
+
+    def __init__(self, max_ngram: int, depth: int, prior_hits: float = 1.0, prior_seen: float = 2.0) -> None:
+        self.hits = torch.full((max_ngram + 1, depth), prior_hits, dtype=torch.float64)  # [n, d]
+        self.seen = torch.full((max_ngram + 1, depth), prior_seen, dtype=torch.float64)  # [n, d]
+
+    def path_probs(self, ngram: int, length: int) -> list[float]:
+        """Probability that the first 1, 2, ..., length tokens of a continuation of an `ngram` match are accepted."""
+        return (self.hits[ngram, :length] / self.seen[ngram, :length]).cumprod(0).tolist()
+
+    def observe(self, ngram: int, continuation: list[int], committed: list[int]) -> None:
+        for d, tok in enumerate(continuation[: min(len(committed), self.seen.shape[1])]):
+            self.seen[ngram, d] += 1
+            if tok != committed[d]:
+                return
+            self.hits[ngram, d] += 1
 
 
 def build_trie(root: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:

@@ -1,0 +1,131 @@
+"""How many drafted nodes are worth verifying, chosen per step from this machine's verify cost.
+
+A step that verifies K nodes commits 1 + (expected accepted drafts) tokens and costs the drafting plus
+a K-node verify forward. Where the forward's cost hardly grows with K (a GPU), big trees pay; where
+every node adds GEMM work (a CPU), the nodes the proposer is unsure of cost more than they bring.
+Each step `NodeBudget` keeps the K most probable nodes, with K maximising
+
+    (1 + sum of the kept nodes' acceptance probabilities) / (drafting time + verify time(K))
+
+and falls back to a plain step (K = 1) when no tree beats it. The probabilities are the proposer's own
+estimates (`DraftTree.accept_probs`: EAGLE's draft scores, prompt lookup's measured hit rates), which
+are skewed; `Calibration` corrects them with what the target actually accepted in earlier steps.
+Which nodes are verified never changes which tokens are accepted, so outputs stay exact.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+from specheads.inference.verify_cost import VerifyCost
+
+# Calibration bins over estimated acceptance probability: finer at the low end, where most nodes sit.
+_EDGES = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], dtype=torch.float64)
+
+
+class Calibration:
+    """Estimated → observed acceptance probability, per bin, from the nodes the target has verified.
+
+    Each bin starts with `prior` pseudo-nodes at the bin's own estimate, so early steps trust the
+    proposer and a bin moves to the observed rate as evidence comes in.
+    """
+
+    def __init__(self, prior: float = 8.0) -> None:
+        mids = (_EDGES[1:] + _EDGES[:-1]) / 2
+        self.accepted = prior * mids  # [B] pseudo-counts
+        self.seen = torch.full_like(mids, prior)  # [B]
+
+    def _bins(self, probs: torch.Tensor) -> torch.Tensor:
+        return (torch.bucketize(probs.clamp(0, 1), _EDGES[1:-1], right=True)).long()
+
+    def __call__(self, probs: torch.Tensor) -> torch.Tensor:
+        """[N] estimates -> [N] calibrated probabilities (same order)."""
+        return (self.accepted / self.seen)[self._bins(probs)]
+
+    def observe(self, probs: torch.Tensor, accepted: torch.Tensor) -> None:
+        """probs [N] the estimates of verified nodes, accepted [N] bool whether the target accepted each."""
+        bins = self._bins(probs)
+        self.seen.index_add_(0, bins, torch.ones_like(probs))
+        self.accepted.index_add_(0, bins, accepted.to(probs.dtype))
+
+
+class NodeBudget:
+    """Prunes each drafted tree to the node count that maximises expected tokens per second."""
+
+    def __init__(self, cost: VerifyCost, calibrate: bool = True) -> None:
+        self.cost = cost
+        self.calibration = Calibration() if calibrate else None
+        self._table = cost.table()  # [M + 1] relative cost of an n-node verify
+
+    def _relative(self, n: int) -> torch.Tensor:  # [n]: entries 1..n of the cost table, extended if needed
+        if n >= self._table.shape[0]:
+            self._table = self.cost.table([2 * n])
+        return self._table[1: n + 1]
+
+    def expected(self, tree: DraftTree) -> torch.Tensor:
+        """[N] calibrated acceptance probability of each node, never above its parent's (root 1)."""
+        assert tree.accept_probs is not None
+        probs = self.calibration(tree.accept_probs) if self.calibration is not None else tree.accept_probs.clone()
+        probs[0] = 1.0
+        parents = tree.parents.tolist()
+        for i in range(1, tree.size):  # a path is accepted only if its prefix is
+            probs[i] = min(probs[i], probs[parents[i]])
+        return probs
+
+    def choose(self, tree: DraftTree, draft_seconds: float = 0.0) -> DraftTree:
+        """The subtree worth verifying (the tree itself when it has no estimates)."""
+        if tree.accept_probs is None or tree.size == 1:
+            return tree
+        probs = self.expected(tree)
+        # Most probable first; ties go to the lower index, a parent before its child, so every prefix of
+        # `order` is ancestor-closed (probabilities never grow along a path).
+        order = torch.sort(probs[1:], descending=True, stable=True).indices + 1  # [N-1]
+        gain = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + probs[order].cumsum(0)])  # [N]: K = 1..N nodes
+        draft = draft_seconds / self.cost.seconds[0]
+        rate = gain / (draft + self._relative(tree.size))
+        k = int(torch.argmax(rate))  # the first maximum: the smaller tree on a tie
+        if k == tree.size - 1:
+            return tree
+        keep = torch.cat([torch.zeros(1, dtype=torch.long), order[:k].sort().values])
+        return tree.subtree(keep)
+
+    def observe(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Feed the calibration with which of `tree`'s (the verified tree's) nodes the target accepted."""
+        if self.calibration is None or tree.accept_probs is None or tree.size == 1:
+            return
+        accepted = torch.zeros(tree.size, dtype=torch.bool)
+        accepted[result.path.cpu()] = True
+        self.calibration.observe(tree.accept_probs[1:], accepted[1:])
+
+
+class WithNodeBudget:
+    """`inner`'s trees pruned by `budget`, its drafting time measured each step and counted in the choice."""
+
+    def __init__(self, inner: Proposer, budget: NodeBudget) -> None:
+        self.inner = inner
+        self.budget = budget
+        self.needs_target_hidden = inner.needs_target_hidden
+        self._verified: DraftTree | None = None
+        self._draft_s = 0.0  # moving average of the inner proposer's drafting time
+
+    def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        self._verified = None
+        self.inner.start(ctx, target_hidden)
+
+    def propose(self, ctx: ProposalContext) -> DraftTree:
+        start = time.perf_counter()
+        tree = self.inner.propose(ctx)
+        elapsed = time.perf_counter() - start
+        self._draft_s = elapsed if not self._draft_s else 0.8 * self._draft_s + 0.2 * elapsed
+        self._verified = self.budget.choose(tree.truncated(ctx.max_depth), self._draft_s)
+        return self._verified
+
+    def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        if self._verified is not None:
+            self.budget.observe(self._verified, result)
+        self.inner.on_verified(result, target_hidden)

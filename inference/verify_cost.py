@@ -1,0 +1,136 @@
+"""What one verify forward costs on this machine, by tree size.
+
+Speculation pays when the tokens a step commits outgrow what its verify forward costs over a plain
+step. That cost is the machine's, not the method's: a GPU verifies 60 nodes for about the price of
+one, while on a 2-core CPU every node adds GEMM work (16 nodes cost ~2.4x a plain step in fp32).
+`VerifyCost` holds the measured curve; `verify_cost` measures it once per (target, dtype, layout,
+device, machine) and caches it under `specheads_home()/verify-cost/`, so later runs start at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from specheads.gemm_layout import linear_layout
+from specheads.inference.cache import TreeKVCache, cache_kwargs
+from specheads.inference.tree import DraftTree
+from specheads.target import specheads_home
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Median seconds of one verify forward over `nodes[i]` tree nodes (a one-token step first)."""
+
+    nodes: tuple[int, ...]  # increasing, nodes[0] == 1
+    seconds: tuple[float, ...]  # same length, > 0
+
+    def __post_init__(self) -> None:
+        if not self.nodes or self.nodes[0] != 1 or list(self.nodes) != sorted(set(self.nodes)):
+            raise ValueError(f"verify cost needs increasing node counts starting at 1, got {self.nodes}")
+        if len(self.seconds) != len(self.nodes) or min(self.seconds) <= 0:
+            raise ValueError("verify cost needs one positive time per node count")
+
+    def relative(self, n: int) -> float:
+        """Cost of an n-node verify over a one-token step: linear between measured sizes, and beyond the
+        largest along its last segment. Never below 1: no tree is cheaper than the plain step it extends."""
+        xs, ys = self.nodes, self.seconds
+        if n <= xs[0] or len(xs) == 1:
+            return 1.0
+        i = min(bisect.bisect_left(xs, n), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(1.0, (y0 + (y1 - y0) * (n - x0) / (x1 - x0)) / ys[0])
+
+    def table(self, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """[max(sizes) + 1] fp64: entry n is `relative(n)` (entry 0 unused), for picking budgets on tensors."""
+        top = max(sizes) if sizes else self.nodes[-1]
+        return torch.tensor([1.0] + [self.relative(n) for n in range(1, top + 1)], dtype=torch.float64)
+
+
+@torch.inference_mode()
+def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3,
+                        context: int = 128) -> VerifyCost:
+    """Time star-shaped trees of each size over a `context`-token cache, `reps` interleaved rounds, medians.
+
+    The cost depends on the node count, not the shape; interleaving spreads machine drift over all sizes.
+    """
+    # Imported here: the engine imports every proposer, and the proposers import this module.
+    from specheads.inference.engine import tree_forward
+
+    sizes = sorted({1, *sizes})
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, context), generator=gen)
+    trees = {n: DraftTree(tokens=torch.randint(0, vocab, (n,), generator=gen),
+                          parents=torch.tensor([-1] + [0] * (n - 1))) for n in sizes}
+    cache = TreeKVCache(model.config, capacity=context + max(sizes) + 16)
+    model(input_ids=prompt.to(device), **cache_kwargs(model, cache), logits_to_keep=1)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps + 1):  # round 0 warms up allocators and kernels
+        for n in sizes:
+            _sync(device)
+            start = time.perf_counter()
+            tree_forward(model, cache, trees[n])
+            _sync(device)
+            if rep:
+                times[n].append(time.perf_counter() - start)
+            cache.truncate(context)
+    return VerifyCost(nodes=tuple(sizes), seconds=tuple(statistics.median(times[n]) for n in sizes))
+
+
+def default_cache_dir() -> Path:
+    return specheads_home() / "verify-cost"
+
+
+def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, **measure) -> VerifyCost:
+    """The model's verify cost on this machine: read from the cache, or measured (a few seconds) and cached."""
+    path = (cache_dir or default_cache_dir()) / f"{_machine_key(model)}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return VerifyCost(nodes=tuple(data["nodes"]), seconds=tuple(data["seconds"]))
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged entry is measured again and overwritten
+    cost = measure_verify_cost(model, **measure)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(cost)), encoding="utf-8")
+    tmp.replace(path)
+    return cost
+
+
+def _machine_key(model: PreTrainedModel) -> str:
+    """What the curve depends on: the model's shapes, dtype, weight layout, device, threads and software."""
+    device = next(model.parameters()).device
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), linear_layout(model), device.type,
+             hardware, str(torch.get_num_threads()), torch.__version__]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,168 @@
+"""The verify-cost curve and the per-step node budget built on it: interpolation, caching, which nodes a
+budget keeps, calibration, lookup hit rates, and greedy output still equal to plain greedy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specheads.inference.verify_cost as verify_cost_mod
+from specheads.inference import Engine
+from specheads.inference.node_budget import Calibration, NodeBudget, WithNodeBudget
+from specheads.inference.proposers import AutoregressiveProposer
+from specheads.inference.proposers.eagle import EagleProposer
+from specheads.inference.proposers.lookup import WithPromptLookup
+from specheads.inference.proposers.ngram import HitRates
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+from specheads.inference.verify_cost import VerifyCost, measure_verify_cost, verify_cost
+from tests.conftest import random_eagle_head, repetitive_prompt, tiny_model
+
+FLAT = VerifyCost(nodes=(1, 64), seconds=(0.01, 0.01))  # a GPU-like curve: any tree costs one step
+STEEP = VerifyCost(nodes=(1, 2, 4, 8), seconds=(0.01, 0.013, 0.016, 0.024))  # a CPU-like one: +0.15-0.2 step a node
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama")
+
+
+def star(probs: list[float], parents: list[int] | None = None) -> DraftTree:
+    n = len(probs) + 1
+    return DraftTree(tokens=torch.arange(10, 10 + n), parents=torch.tensor(parents or [-1] + [0] * (n - 1)),
+                     accept_probs=torch.tensor([1.0, *probs], dtype=torch.float64))
+
+
+def test_relative_cost_interpolates_and_extends_the_last_segment():
+    assert STEEP.relative(1) == 1.0
+    assert STEEP.relative(3) == pytest.approx(1.45)
+    assert STEEP.relative(6) == pytest.approx(2.0)
+    assert STEEP.relative(12) == pytest.approx(3.2)  # past 8 nodes: +0.2 per node, as from 4 to 8
+    assert FLAT.relative(500) == 1.0
+    assert STEEP.table().tolist()[1:4] == pytest.approx([1.0, 1.3, 1.45])
+
+
+@pytest.mark.parametrize("nodes, seconds", [((2, 4), (1.0, 2.0)), ((1, 4, 2), (1.0, 2.0, 3.0)), ((1, 2), (1.0,)),
+                                            ((1, 2), (1.0, 0.0))])
+def test_a_bad_curve_is_refused(nodes, seconds):
+    with pytest.raises(ValueError, match="verify cost needs"):
+        VerifyCost(nodes=nodes, seconds=seconds)
+
+
+def test_measured_once_then_read_from_the_cache(target, tmp_path, monkeypatch):
+    first = verify_cost(target, cache_dir=tmp_path, sizes=(1, 2, 4), reps=1, context=16)
+    assert first.nodes == (1, 2, 4) and all(s > 0 for s in first.seconds)
+    (entry,) = tmp_path.glob("*.json")
+    monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
+    assert verify_cost(target, cache_dir=tmp_path) == first
+    other = tiny_model("llama", layers=2)  # another model has its own entry
+    monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", lambda *a, **k: FLAT)
+    assert verify_cost(other, cache_dir=tmp_path) == FLAT and len(list(tmp_path.glob("*.json"))) == 2
+    entry.write_text("{not json")  # a damaged entry is measured again and replaced
+    assert verify_cost(target, cache_dir=tmp_path) == FLAT
+    assert json.loads(entry.read_text()) == {"nodes": [1, 64], "seconds": [0.01, 0.01]}
+
+
+def test_measurement_leaves_the_model_usable(target):
+    cost = measure_verify_cost(target, sizes=(4, 2), reps=1, context=8)
+    assert cost.nodes == (1, 2, 4)
+
+
+def test_a_flat_curve_keeps_the_whole_tree():
+    tree = star([0.5, 0.1, 0.01])
+    assert NodeBudget(FLAT, calibrate=False).choose(tree) is tree
+
+
+def test_a_steep_curve_keeps_only_the_nodes_worth_their_cost():
+    tree = star([0.05, 0.9, 0.3, 0.02])
+    kept = NodeBudget(STEEP, calibrate=False).choose(tree)
+    # 1 node: rate 1; +0.9: 1.9/1.3 = 1.46; +0.3: 2.2/1.45 = 1.52; +0.05: 2.25/1.6 = 1.41
+    assert kept.tokens.tolist() == [10, 12, 13] and kept.parents.tolist() == [-1, 0, 0]
+    assert kept.accept_probs.tolist() == [1.0, 0.9, 0.3]
+
+
+def test_drafting_time_counts_in_the_choice():
+    tree = star([0.25])  # alone: 1.25 / 1.3 loses to a plain step's 1 / 1
+    budget = NodeBudget(STEEP, calibrate=False)
+    assert budget.choose(tree).size == 1
+    assert budget.choose(tree, draft_seconds=0.02).size == 2  # 1.25 / 3.3 beats 1 / 3: drafting is paid anyway
+
+
+def test_kept_nodes_are_ancestor_closed_even_when_estimates_are_not_monotone():
+    # node 2 is node 1's child but claims more than its parent: it cannot be accepted without node 1, so it
+    # counts as 0.1 too; uncapped, node 2 would come first and be verified without its parent
+    tree = star([0.1, 0.95, 0.6], parents=[-1, 0, 1, 0])
+    kept = NodeBudget(STEEP, calibrate=False).choose(tree)
+    assert kept.tokens.tolist() == [10, 13]  # 1.6 / 1.3 beats 1.7 / 1.45 and 1.8 / 1.6
+
+
+def test_without_estimates_the_tree_is_verified_whole():
+    tree = DraftTree(tokens=torch.arange(4), parents=torch.tensor([-1, 0, 0, 1]))
+    assert NodeBudget(STEEP).choose(tree) is tree
+
+
+def test_calibration_moves_to_the_observed_rate():
+    cal = Calibration(prior=8.0)
+    probs = torch.full((100,), 0.95, dtype=torch.float64)
+    assert float(cal(probs[:1])) == pytest.approx(0.95)
+    cal.observe(probs, torch.arange(100) < 30)  # the proposer claims 0.95, the target accepts 30%
+    assert float(cal(probs[:1])) == pytest.approx((8 * 0.95 + 30) / 108)
+    assert float(cal(torch.tensor([0.01], dtype=torch.float64))) == pytest.approx(0.01)  # other bins untouched
+
+
+def test_the_budget_observes_the_verified_tree():
+    budget = NodeBudget(FLAT)
+    tree = star([0.95, 0.95])
+    budget.observe(tree, VerifyResult(path=torch.tensor([0, 2]), tokens=torch.tensor([12, 5])))
+    bin_ = budget.calibration._bins(torch.tensor([0.95], dtype=torch.float64))
+    assert float(budget.calibration.seen[bin_]) == 10 and float(budget.calibration.accepted[bin_]) == pytest.approx(8.6)
+
+
+def test_hit_rates_count_positions_the_commit_reaches():
+    rates = HitRates(max_ngram=3, depth=4)
+    assert rates.path_probs(3, 3) == pytest.approx([0.5, 0.25, 0.125])  # the prior: one hit in two
+    rates.observe(3, [7, 8, 9, 10], committed=[7, 8, 1])  # 2 hits, a miss at depth 2, depth 3 unseen
+    assert rates.hits[3].tolist() == [2, 2, 1, 1] and rates.seen[3].tolist() == [3, 3, 3, 2]
+    rates.observe(3, [7, 8], committed=[7])  # depth 1 lies past the commit: unobserved
+    assert rates.seen[3].tolist() == [4, 3, 3, 2] and rates.hits[3].tolist() == [3, 2, 1, 1]
+    assert rates.path_probs(1, 1) == pytest.approx([0.5])  # per n-gram length
+
+
+def test_graft_keeps_the_larger_estimate_of_a_shared_node():
+    tree = star([0.4, 0.1])  # tokens 11 (0.4), 12 (0.1)
+    grafted = tree.graft([[12, 30]], max_new_nodes=4, path_probs=[[0.7, 0.5]])
+    assert grafted.tokens.tolist() == [10, 11, 12, 30]
+    assert grafted.accept_probs.tolist() == [1.0, 0.4, 0.7, 0.5]
+    assert tree.graft([[12, 30]], 4).accept_probs is None  # no estimates for the grafted path: none at all
+    plain = DraftTree(tokens=torch.arange(3), parents=torch.tensor([-1, 0, 0]))
+    assert plain.graft([[5]], 4, path_probs=[[0.5]]).accept_probs is None  # no estimates for the tree
+
+
+def test_subtree_renumbers_and_keeps_rows():
+    tree = star([0.4, 0.3, 0.2], parents=[-1, 0, 1, 1])
+    sub = tree.subtree(torch.tensor([0, 1, 3]))
+    assert sub.tokens.tolist() == [10, 11, 13] and sub.parents.tolist() == [-1, 0, 1]
+    assert sub.accept_probs.tolist() == [1.0, 0.4, 0.2]
+
+
+@pytest.mark.parametrize("cost", [STEEP, FLAT], ids=["steep", "flat"])
+def test_greedy_with_a_budget_equals_plain_greedy(target, cost):
+    prompt = repetitive_prompt()
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=40).output_ids
+    proposer = WithNodeBudget(WithPromptLookup(EagleProposer(random_eagle_head(target))), NodeBudget(cost))
+    whole = []  # tree sizes as drafted and as verified
+    choose = proposer.budget.choose
+
+    def spy(tree, draft_seconds=0.0):
+        kept = choose(tree, draft_seconds)
+        whole.append((tree.size, kept.size))
+        return kept
+
+    proposer.budget.choose = spy
+    res = Engine(target, proposer).generate(prompt, max_new_tokens=40)
+    assert res.output_ids == plain
+    assert res.stats.drafted > 0
+    pruned = sum(kept < size for size, kept in whole)
+    assert pruned > 0 if cost is STEEP else pruned == 0
