@@ -16,6 +16,7 @@ Which nodes are verified never changes which tokens are accepted, so outputs sta
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -57,10 +58,11 @@ class Calibration:
 class NodeBudget:
     """Prunes each drafted tree to the node count that maximises expected tokens per second."""
 
-    def __init__(self, cost: VerifyCost, calibrate: bool = True) -> None:
+    def __init__(self, cost: VerifyCost, calibrate: bool = True, memory: int = 8) -> None:
         self.cost = cost
         self.calibration = Calibration() if calibrate else None
         self._table = cost.table()  # [M + 1] relative cost of an n-node verify
+        self._weakest: deque[float] = deque(maxlen=memory)  # per recent step: raw estimate of the weakest kept node
 
     def _relative(self, n: int) -> torch.Tensor:  # [n]: entries 1..n of the cost table, extended if needed
         if n >= self._table.shape[0]:
@@ -89,10 +91,21 @@ class NodeBudget:
         draft = draft_seconds / self.cost.seconds[0]
         rate = gain / (draft + self._relative(tree.size))
         k = int(torch.argmax(rate))  # the first maximum: the smaller tree on a tie
+        # Nothing below the weakest kept node was worth verifying (nothing at all on a plain step).
+        raw = tree.accept_probs[order]
+        self._weakest.append(float(raw[:k].min()) if k else float(raw.max()) + 1e-9)
         if k == tree.size - 1:
             return tree
         keep = torch.cat([torch.zeros(1, dtype=torch.long), order[:k].sort().values])
         return tree.subtree(keep)
+
+    def stop_below(self) -> float:
+        """Drafting deeper pays only for nodes above this estimate: the weakest node kept in recent steps
+        (the lowest of them, so a step that happens to want more still gets it); 0 before any step.
+
+        A child never scores above its parent, so a proposer whose best open node falls below it can stop
+        expanding: the budget would prune everything deeper."""
+        return min(self._weakest, default=0.0)
 
     def observe(self, tree: DraftTree, result: VerifyResult) -> None:
         """Feed the calibration with which of `tree`'s (the verified tree's) nodes the target accepted."""

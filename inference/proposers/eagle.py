@@ -20,6 +20,7 @@ sampling alike (the verifier treats each draft as one-hot).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,7 +34,7 @@ from specheads.inference.cache import TreeKVCache
 from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.methods import Method, option, register_method
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
+from specheads.inference.proposers.lookup import HeadsOptions, node_budget, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears
@@ -88,13 +89,16 @@ class EagleProposer:
     needs_target_hidden = True
 
     def __init__(self, head: nn.Module, config: EagleTreeConfig = EagleTreeConfig(), context_vocab: bool = True,
-                 vocab: DraftScorer | None = None, int8_vocab: bool = False) -> None:
+                 vocab: DraftScorer | None = None, int8_vocab: bool = False,
+                 stop_below: Callable[[], float] | None = None) -> None:
         """`head` is an EAGLE head or any module drafting the same way (`forward(tokens, features, positions, mask,
         cache)`, `select_features`, `layer_config`, `fc`). `vocab` scores its outputs; by default the target's LM
         head over the head's draft vocabulary (in int8 with `int8_vocab`), plus (with `context_vocab`) the request's
-        own tokens outside it."""
+        own tokens outside it. `stop_below()` (e.g. `NodeBudget.stop_below`): stop expanding once no open node's
+        draft probability reaches it, since no deeper node would be verified."""
         self.head = head.eval()
         self.config = config
+        self.stop_below = stop_below
         first = next(head.parameters())  # an int8 head keeps its norms in its activations' dtype
         self.device, self.dtype = first.device, first.dtype
         self.vocab = vocab if vocab is not None else ContextVocabulary(head.lm_head.weight.detach(), head.draft_ids,
@@ -168,8 +172,11 @@ class EagleProposer:
         parent_hidden = root_hidden.expand(k, -1)  # [n_d, H]
         first_id = 1  # candidate number of the level's first node
         seen = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [F, F]: fed row i sees fed row j (an ancestor or itself)
+        floor = math.log(self.stop_below()) if self.stop_below is not None and self.stop_below() > 0 else None
         for d in range(2, depth + 1):
             level_scores = scores[-1]
+            if floor is not None and float(level_scores.max()) < floor:  # one host sync per level, only with a floor
+                break
             expand = torch.sort(level_scores, descending=True, stable=True).indices[:k]  # [E]
             e, fed = expand.shape[0], seen.shape[0]
             rows = torch.zeros(e, fed + e, dtype=torch.bool, device=dev)  # what each expanded node sees among fed pairs
@@ -246,11 +253,14 @@ def tree_proposer(target, options: EagleOptions, kind: str,
     int8 = options.draft_dtype == "int8"
     if int8:
         quantize_linears(head)
+    budget = node_budget(target, options)
     tree = EagleTreeConfig(depth=options.depth or base.depth, topk=options.topk or base.topk,
                            total_tokens=options.total_tokens or base.total_tokens,
                            min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
                            else options.min_expected_accepted)
-    return with_heads_options(EagleProposer(head, tree, vocab=scorer(head), int8_vocab=int8), target, options)
+    proposer = EagleProposer(head, tree, vocab=scorer(head), int8_vocab=int8,
+                             stop_below=budget.stop_below if budget is not None else None)
+    return with_heads_options(proposer, target, options, budget)
 
 
 register_method(Method(

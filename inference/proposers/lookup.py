@@ -90,12 +90,18 @@ class HeadsOptions:
             resolve_heads(self.heads)  # fetched (or found in the cache) now, so a bad id fails first
 
 
-def with_heads_options(proposer: Proposer, target: PreTrainedModel, options: HeadsOptions) -> Proposer:
-    """`proposer` with prompt lookup grafted on and its trees pruned to the node budget, as `options` say."""
+def node_budget(target: PreTrainedModel, options: HeadsOptions) -> NodeBudget | None:
+    """The node budget `options` ask for, on `target`'s verify cost (None: trees are verified whole)."""
+    return NodeBudget(verify_cost(target)) if (options.node_budget or NODE_BUDGETS[0]) == "auto" else None
+
+
+def with_heads_options(proposer: Proposer, target: PreTrainedModel, options: HeadsOptions,
+                       budget: NodeBudget | None = None) -> Proposer:
+    """`proposer` with prompt lookup grafted on and its trees pruned to the node budget, as `options` say
+    (`budget`: one the proposer already consults while drafting)."""
     proposer = with_lookup(proposer, options.lookup)
-    if (options.node_budget or NODE_BUDGETS[0]) == "auto":
-        proposer = WithNodeBudget(proposer, NodeBudget(verify_cost(target)))
-    return proposer
+    budget = budget or node_budget(target, options)
+    return proposer if budget is None else WithNodeBudget(proposer, budget)
 
 
 def with_lookup(proposer: Proposer, num_candidates: int | None) -> Proposer:

@@ -18,7 +18,7 @@ from specheads.inference.proposers.ngram import HitRates
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.inference.verify_cost import VerifyCost, measure_verify_cost, verify_cost
-from tests.conftest import random_eagle_head, repetitive_prompt, tiny_model
+from tests.conftest import random_eagle_head, repetitive_prompt, start_proposer, tiny_model
 
 FLAT = VerifyCost(nodes=(1, 64), seconds=(0.01, 0.01))  # a GPU-like curve: any tree costs one step
 STEEP = VerifyCost(nodes=(1, 2, 4, 8), seconds=(0.01, 0.013, 0.016, 0.024))  # a CPU-like one: +0.15-0.2 step a node
@@ -166,3 +166,26 @@ def test_greedy_with_a_budget_equals_plain_greedy(target, cost):
     assert res.stats.drafted > 0
     pruned = sum(kept < size for size, kept in whole)
     assert pruned > 0 if cost is STEEP else pruned == 0
+
+
+def test_stop_below_is_the_weakest_node_kept_lately():
+    budget = NodeBudget(STEEP, calibrate=False, memory=2)
+    assert budget.stop_below() == 0.0  # nothing chosen yet: draft as deep as configured
+    budget.choose(star([0.05, 0.9, 0.3, 0.02]))  # keeps 0.9 and 0.3
+    assert budget.stop_below() == pytest.approx(0.3)
+    budget.choose(star([0.2]))  # keeps nothing: even the best node, 0.2, was not worth it
+    assert budget.stop_below() == pytest.approx(0.2)  # the lower of the two recent steps
+    budget.choose(star([0.95, 0.8]))  # keeps both
+    budget.choose(star([0.95, 0.8]))  # the memory holds two steps: 0.2 is forgotten
+    assert budget.stop_below() == pytest.approx(0.8)
+
+
+def test_eagle_stops_expanding_below_the_floor(target):
+    head = random_eagle_head(target)
+    prompt = repetitive_prompt()
+    depths = {}
+    for floor in (0.0, 0.999):
+        proposer = EagleProposer(head, stop_below=lambda f=floor: f)
+        ctx = start_proposer(proposer, target, prompt)
+        depths[floor] = proposer.propose(ctx).max_depth
+    assert depths[0.0] == 5 and depths[0.999] == 1  # level 1 is always drafted
