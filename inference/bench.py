@@ -19,7 +19,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -63,6 +63,9 @@ def parse_methods(spec: str) -> list[MethodSpec]:
         if not name:
             continue
         method, _, arg = name.partition(":")
+        if "+" in method:  # `ngram+width=2`: option suffixes on a method that takes no argument
+            method, plus, suffixes = method.partition("+")
+            arg = plus + suffixes + (":" + arg if arg else "")
         if method not in METHODS and method not in BASELINES:
             raise ValueError(f"unknown method {method!r} in --methods; valid: {', '.join(valid_methods())}")
         if any(s.name == name for s in out):
@@ -84,10 +87,8 @@ def _baseline_spec(name: str, method: str, arg: str) -> MethodSpec:
 
 
 def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
-    """`METHOD[:ARG[@TREE][+lookup=N]]`: the suffixes are read only for methods with those options."""
+    """`METHOD[:ARG][@TREE][+OPTION=VALUE...]`: the suffixes are read only for methods with those options."""
     m = METHODS.get(method)
-    if m.arg is None and arg:
-        raise ValueError(f"method {method} takes no argument, got {name!r}")
     if m.arg is not None and not arg:
         raise ValueError(f"method {method} needs a path: {method}:{m.arg_hint}")
     found: list[tuple[str, str]] = []  # read right to left
@@ -97,6 +98,11 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
         found.append((key, suffix[2]))
         arg = arg[: suffix.start()]
     settings = dict(reversed(found))
+    if m.arg is None and arg:
+        if unknown := _OPTION_SUFFIX.search(arg):  # no path to hide in: any suffix left names an unknown option
+            takes = ", ".join(f.name for f in fields(m.options)) or "none"
+            raise ValueError(f"{name}: {method} has no option {unknown[1]!r} (its options: {takes})")
+        raise ValueError(f"method {method} takes no argument, got {name!r}")
     tree = None
     if m.takes("tree") and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
         arg, _, tree = arg.rpartition("@")

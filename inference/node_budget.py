@@ -1,13 +1,15 @@
 """How many drafted nodes are worth verifying, chosen per step from this machine's verify cost.
 
-A step that verifies K nodes commits 1 + (expected accepted drafts) tokens and costs the drafting plus
-a K-node verify forward. Where the forward's cost hardly grows with K (a GPU), big trees pay; where
-every node adds GEMM work (a CPU), the nodes the proposer is unsure of cost more than they bring.
-Each step `NodeBudget` keeps the K most probable nodes, with K maximising
+A step that verifies K nodes commits 1 + (expected accepted drafts) tokens and costs a K-node verify
+forward. Where the forward's cost hardly grows with K (a GPU), big trees pay; where every node adds
+GEMM work (a CPU), the nodes the proposer is unsure of cost more than they bring. Each step
+`NodeBudget` keeps the K most probable nodes, with K maximising
 
-    (1 + sum of the kept nodes' acceptance probabilities) / (drafting time + verify time(K))
+    (1 + sum of the kept nodes' acceptance probabilities) / verify time(K)
 
-and falls back to a plain step (K = 1) when no tree beats it. The probabilities are the proposer's own
+and falls back to a plain step (K = 1) when no tree beats it. Drafting time stays out of the choice:
+it is spent before the choice is made, and timing it live would make the trees, and so the draws of
+a seeded sampling run, depend on machine load. The probabilities are the proposer's own
 estimates (`DraftTree.accept_probs`: EAGLE's draft scores, prompt lookup's measured hit rates), which
 are skewed; `Calibration` corrects them with what the target actually accepted in earlier steps.
 Which nodes are verified never changes which tokens are accepted, so outputs stay exact.
@@ -15,15 +17,19 @@ Which nodes are verified never changes which tokens are accepted, so outputs sta
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import torch
+from transformers import PreTrainedModel
 
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.inference.verify_cost import VerifyCost
+from specheads.inference.verify_cost import VerifyCost, verify_cost
+
+NODE_BUDGETS = ("auto", "fixed")  # the first is the default
+NODE_BUDGET_HELP = (f"{', '.join(NODE_BUDGETS)}: per step verify only the drafted nodes worth their verify cost on this "
+                    "machine (default; the cost curve is measured once, a few seconds, and cached), or the whole tree")
 
 # Calibration bins over estimated acceptance probability: finer at the low end, where most nodes sit.
 _EDGES = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], dtype=torch.float64)
@@ -79,7 +85,7 @@ class NodeBudget:
             probs[i] = min(probs[i], probs[parents[i]])
         return probs
 
-    def choose(self, tree: DraftTree, draft_seconds: float = 0.0) -> DraftTree:
+    def choose(self, tree: DraftTree) -> DraftTree:
         """The subtree worth verifying (the tree itself when it has no estimates)."""
         if tree.accept_probs is None or tree.size == 1:
             return tree
@@ -88,8 +94,7 @@ class NodeBudget:
         # `order` is ancestor-closed (probabilities never grow along a path).
         order = torch.sort(probs[1:], descending=True, stable=True).indices + 1  # [N-1]
         gain = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + probs[order].cumsum(0)])  # [N]: K = 1..N nodes
-        draft = draft_seconds / self.cost.seconds[0]
-        rate = gain / (draft + self._relative(tree.size))
+        rate = gain / self._relative(tree.size)
         k = int(torch.argmax(rate))  # the first maximum: the smaller tree on a tie
         # Nothing below the weakest kept node was worth verifying (nothing at all on a plain step).
         raw = tree.accept_probs[order]
@@ -116,26 +121,32 @@ class NodeBudget:
         self.calibration.observe(tree.accept_probs[1:], accepted[1:])
 
 
+def check_node_budget(choice: str | None) -> None:
+    if choice is not None and choice not in NODE_BUDGETS:
+        raise ValueError(f"unknown --node-budget {choice!r}; use one of: {', '.join(NODE_BUDGETS)}")
+
+
+def node_budget(target: PreTrainedModel, choice: str | None) -> NodeBudget | None:
+    """The node budget `choice` names, on `target`'s verify cost (None: trees are verified whole)."""
+    check_node_budget(choice)
+    return NodeBudget(verify_cost(target)) if (choice or NODE_BUDGETS[0]) == "auto" else None
+
+
 class WithNodeBudget:
-    """`inner`'s trees pruned by `budget`, its drafting time measured each step and counted in the choice."""
+    """`inner`'s trees pruned by `budget`."""
 
     def __init__(self, inner: Proposer, budget: NodeBudget) -> None:
         self.inner = inner
         self.budget = budget
         self.needs_target_hidden = inner.needs_target_hidden
         self._verified: DraftTree | None = None
-        self._draft_s = 0.0  # moving average of the inner proposer's drafting time
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self._verified = None
         self.inner.start(ctx, target_hidden)
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        start = time.perf_counter()
-        tree = self.inner.propose(ctx)
-        elapsed = time.perf_counter() - start
-        self._draft_s = elapsed if not self._draft_s else 0.8 * self._draft_s + 0.2 * elapsed
-        self._verified = self.budget.choose(tree.truncated(ctx.max_depth), self._draft_s)
+        self._verified = self.budget.choose(self.inner.propose(ctx).truncated(ctx.max_depth))
         return self._verified
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import platform
 import statistics
 import time
@@ -26,6 +27,8 @@ from specheads.gemm_layout import linear_layout
 from specheads.inference.cache import TreeKVCache, cache_kwargs
 from specheads.inference.tree import DraftTree
 from specheads.target import specheads_home
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -104,6 +107,7 @@ def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, **measure
             return VerifyCost(nodes=tuple(data["nodes"]), seconds=tuple(data["seconds"]))
         except (ValueError, KeyError, TypeError):
             pass  # a damaged entry is measured again and overwritten
+    log.info("measuring the target's verify cost by tree size on this machine (once; cached in %s)", path.parent)
     cost = measure_verify_cost(model, **measure)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -8,7 +8,8 @@ text, fed with the *target's* features after each verification. Each step:
    logits give the depth-1 candidates.
 2. Expand: at every depth take the `topk` highest-scoring nodes of the newest level
    (score = cumulative draft log-probability), feed them as (parent's predicted
-   feature, node token) pairs with a tree mask, and give each its `topk` children.
+   feature, node token) pairs with a tree mask, and give each its `topk` children. With a node
+   budget, stop once no open node scores above the weakest node the budget kept lately.
 3. Rerank: keep the `total_tokens - 1` best nodes by score (ancestor-closed, since a
    child never scores above its parent), in breadth-first order.
 4. Roll the head cache back to the committed pairs: drafted entries never survive.
@@ -33,11 +34,12 @@ from specheads.heads.eagle import KIND_NAME
 from specheads.inference.cache import TreeKVCache
 from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.methods import Method, option, register_method
+from specheads.inference.node_budget import node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.lookup import HeadsOptions, node_budget, with_heads_options
+from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.int8 import quantize_linears
+from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype, quantize_linears
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,6 @@ def eagle_tree(name: str | None) -> EagleTreeConfig:
         raise ValueError(f"unknown eagle tree {name!r}; use one of: {', '.join(EAGLE_TREES)} "
                          "(or set --depth/--topk/--total-tokens)")
     return EAGLE_TREES[name]
-
-
-DRAFT_DTYPES = ("target", "int8")  # the heads' weights: as loaded (the target's dtype) or int8
 
 
 class DraftScorer(Protocol):
@@ -235,14 +234,12 @@ class EagleOptions(HeadsOptions):
     total_tokens: int | None = option("tree size including the root")
     min_expected_accepted: float | None = option("take a plain step when the draft expects fewer accepted tokens "
                                                  "(CPU: try 0.7)")
-    draft_dtype: str | None = option(f"{', '.join(DRAFT_DTYPES)}: the heads' weights as loaded (default) or int8 "
-                                     "(CPU: drafting reads a quarter of the bytes; outputs stay exact)")
+    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         eagle_tree(self.tree)  # a bad name fails before anything loads
-        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
-            raise ValueError(f"unknown --draft-dtype {self.draft_dtype!r}; use one of: {', '.join(DRAFT_DTYPES)}")
+        check_draft_dtype(self.draft_dtype)
 
 
 def tree_proposer(target, options: EagleOptions, kind: str,
@@ -253,7 +250,7 @@ def tree_proposer(target, options: EagleOptions, kind: str,
     int8 = options.draft_dtype == "int8"
     if int8:
         quantize_linears(head)
-    budget = node_budget(target, options)
+    budget = node_budget(target, options.node_budget)
     tree = EagleTreeConfig(depth=options.depth or base.depth, topk=options.topk or base.topk,
                            total_tokens=options.total_tokens or base.total_tokens,
                            min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None

@@ -22,14 +22,17 @@ from transformers import PreTrainedModel
 
 from specheads.hub import looks_like_repo_id, resolve_heads
 from specheads.inference.methods import option
-from specheads.inference.node_budget import NodeBudget, WithNodeBudget
+from specheads.inference.node_budget import (
+    NODE_BUDGET_HELP,
+    NodeBudget,
+    WithNodeBudget,
+    check_node_budget,
+    node_budget,
+)
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.ngram import HitRates, NgramConfig, find_matches
+from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.inference.verify_cost import verify_cost
-
-NODE_BUDGETS = ("fixed", "auto")  # the first is the default
 
 # One continuation of up to 8 tokens, from the longest n-gram (3 down to 1) that matches. On the 2-core CPU
 # this gave the most speed: deeper or more continuations raised τ further but cost more in the verify forward.
@@ -41,27 +44,19 @@ class WithPromptLookup:
 
     def __init__(self, inner: Proposer, config: NgramConfig = DEFAULT_LOOKUP) -> None:
         self.inner = inner
+        self.lookup = NgramProposer(config)
         self.config = config
         self.needs_target_hidden = inner.needs_target_hidden
-        self.hit_rates = HitRates(config.max_ngram, config.depth)  # per request: acceptance is the text's
-        self._proposed: list[tuple[int, list[int]]] = []  # this step's (n-gram length, continuation)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
-        self.hit_rates = HitRates(self.config.max_ngram, self.config.depth)
-        self._proposed = []
+        self.lookup.start(ctx, None)
         self.inner.start(ctx, target_hidden)
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        tree = self.inner.propose(ctx)
-        depth = min(self.config.depth, ctx.max_depth)
-        self._proposed = find_matches(ctx.tokens, self.config, depth) if depth >= 1 else []
-        probs = [self.hit_rates.path_probs(n, len(cont)) for n, cont in self._proposed]
-        return tree.graft([cont for _, cont in self._proposed], self.config.max_nodes, probs)
+        return self.lookup.graft_onto(self.inner.propose(ctx), ctx)
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
-        committed = result.tokens.tolist()
-        for n, cont in self._proposed:
-            self.hit_rates.observe(n, cont, committed)
+        self.lookup.on_verified(result, None)
         self.inner.on_verified(result, target_hidden)
 
 
@@ -73,13 +68,10 @@ class HeadsOptions:
                                "or a Hub repo id of one")
     lookup: int | None = option(f"prompt-lookup continuations grafted onto the heads' tree (default "
                                 f"{DEFAULT_LOOKUP.num_candidates}; 0 = the heads alone)")
-    node_budget: str | None = option(f"{', '.join(NODE_BUDGETS)}: verify the whole drafted tree (default), or per step "
-                                     "only the nodes worth their verify cost on this machine (the cost curve is "
-                                     "measured once, a few seconds, and cached)")
+    node_budget: str | None = option(NODE_BUDGET_HELP)
 
     def __post_init__(self) -> None:
-        if self.node_budget is not None and self.node_budget not in NODE_BUDGETS:
-            raise ValueError(f"unknown --node-budget {self.node_budget!r}; use one of: {', '.join(NODE_BUDGETS)}")
+        check_node_budget(self.node_budget)
         if self.lookup is not None and self.lookup < 0:
             raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
                              f"off), got {self.lookup}")
@@ -90,17 +82,12 @@ class HeadsOptions:
             resolve_heads(self.heads)  # fetched (or found in the cache) now, so a bad id fails first
 
 
-def node_budget(target: PreTrainedModel, options: HeadsOptions) -> NodeBudget | None:
-    """The node budget `options` ask for, on `target`'s verify cost (None: trees are verified whole)."""
-    return NodeBudget(verify_cost(target)) if (options.node_budget or NODE_BUDGETS[0]) == "auto" else None
-
-
 def with_heads_options(proposer: Proposer, target: PreTrainedModel, options: HeadsOptions,
                        budget: NodeBudget | None = None) -> Proposer:
     """`proposer` with prompt lookup grafted on and its trees pruned to the node budget, as `options` say
     (`budget`: one the proposer already consults while drafting)."""
     proposer = with_lookup(proposer, options.lookup)
-    budget = budget or node_budget(target, options)
+    budget = budget or node_budget(target, options.node_budget)
     return proposer if budget is None else WithNodeBudget(proposer, budget)
 
 

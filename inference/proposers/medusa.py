@@ -24,6 +24,7 @@ from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
+from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype, quantize_linears
 from specheads.trees import (
     TYPICAL_ACCURACIES,
     Tree,
@@ -155,9 +156,11 @@ class MedusaOptions(HeadsOptions):
     tree: str | None = option(f"preset ({', '.join(MEDUSA_TREES)}) or a YAML/JSON file of paths (default: the "
                               f"tree stored with the heads, else {DEFAULT_TREE})")
     depth: int | None = option("prune the tree to this many levels")
+    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_draft_dtype(self.draft_dtype)
         if self.tree is not None:
             resolve_tree(self.tree, MEDUSA_TREES)  # a bad name or file fails before anything loads
         if self.depth is not None and self.depth < 1:
@@ -166,6 +169,8 @@ class MedusaOptions(HeadsOptions):
 
 def _build(target, options: MedusaOptions, load_draft) -> Proposer:
     proposer = load_medusa_proposer(options.heads, target, tree=options.tree, max_depth=options.depth)
+    if options.draft_dtype == "int8":
+        quantize_linears(proposer.heads)  # the heads' own copies: a shared LM head stays as it is in the target
     return with_heads_options(proposer, target, options)
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from specheads.inference.methods import Method, option, register_method
-from specheads.inference.proposers.base import ProposalContext
+from specheads.inference.node_budget import NODE_BUDGET_HELP, WithNodeBudget, check_node_budget, node_budget
+from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 
@@ -96,37 +97,54 @@ def build_trie(root: int, continuations: list[list[int]], max_nodes: int) -> Dra
 
 
 class NgramProposer:
-    """Multi-candidate prompt lookup; deterministic drafts, so exact under greedy and sampling."""
+    """Multi-candidate prompt lookup; deterministic drafts, so exact under greedy and sampling.
+
+    Each node carries its estimated acceptance (`HitRates`, measured on the request so far), which a
+    node budget uses to verify only the continuations worth their cost.
+    """
 
     needs_target_hidden = False
 
     def __init__(self, config: NgramConfig = NgramConfig()) -> None:
         self.config = config
+        self.hit_rates = HitRates(config.max_ngram, config.depth)  # per request: acceptance is the text's
+        self._proposed: list[tuple[int, list[int]]] = []  # this step's (n-gram length, continuation)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
-        pass
+        self.hit_rates = HitRates(self.config.max_ngram, self.config.depth)
+        self._proposed = []
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
+        return self.graft_onto(DraftTree.root_only(int(ctx.tokens[-1])), ctx)
+
+    def graft_onto(self, tree: DraftTree, ctx: ProposalContext) -> DraftTree:
+        """`tree` with this step's continuations merged in (up to `max_nodes` new nodes)."""
         depth = min(self.config.depth, ctx.max_depth)
-        root = int(ctx.tokens[-1])
-        if depth < 1:
-            return DraftTree.root_only(root)
-        conts = find_continuations(ctx.tokens, self.config, depth)
-        return build_trie(root, conts, self.config.max_nodes)
+        self._proposed = find_matches(ctx.tokens, self.config, depth) if depth >= 1 else []
+        probs = [self.hit_rates.path_probs(n, len(cont)) for n, cont in self._proposed]
+        return tree.graft([cont for _, cont in self._proposed], self.config.max_nodes, probs)
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
-        pass
+        committed = result.tokens.tolist()
+        for n, cont in self._proposed:
+            self.hit_rates.observe(n, cont, committed)
 
 
 @dataclass(frozen=True)
 class NgramOptions:
     depth: int | None = option("tokens per continuation (default 5)")
     width: int | None = option("continuations merged into the tree (default 3)")
+    node_budget: str | None = option(NODE_BUDGET_HELP)
+
+    def __post_init__(self) -> None:
+        check_node_budget(self.node_budget)
 
 
-def _build(target, options: NgramOptions, load_draft) -> NgramProposer:
+def _build(target, options: NgramOptions, load_draft) -> Proposer:
     given = {"depth": options.depth, "num_candidates": options.width}
-    return NgramProposer(replace(NgramConfig(), **{k: v for k, v in given.items() if v is not None}))
+    proposer = NgramProposer(replace(NgramConfig(), **{k: v for k, v in given.items() if v is not None}))
+    budget = node_budget(target, options.node_budget)
+    return proposer if budget is None else WithNodeBudget(proposer, budget)
 
 
 register_method(Method(

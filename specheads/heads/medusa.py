@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.draft_vocab import check_draft_vocab
+from specheads.int8 import input_dtype
 from specheads.kinds import DrafterKind, register_kind
 from specheads.trees import validate_tree
 
@@ -129,13 +130,12 @@ class MedusaHeads(nn.Module):
     ) -> torch.Tensor:  # [K, B, T, V] (K = num_heads when given)
         n = self.config.num_heads if num_heads is None else num_heads
         assert 1 <= n <= self.config.num_heads, (n, self.config.num_heads)
-        block_dtype = self.blocks[0][0].linear.weight.dtype
-        x = hidden.to(block_dtype)
+        x = hidden.to(input_dtype(self.blocks[0][0].linear))
         out = []
         for k in range(n):
             h = self.blocks[k](x)
             lm_head = self.lm_heads[k] if self.lm_heads is not None else self.target_lm_head
-            out.append(lm_head(h.to(lm_head.weight.dtype)))
+            out.append(lm_head(h.to(input_dtype(lm_head))))
         return torch.stack(out)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into forward's last dim -> token ids

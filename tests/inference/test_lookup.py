@@ -10,6 +10,7 @@ from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.inference import Engine
 from specheads.inference.bench import parse_methods
 from specheads.inference.methods import METHODS, make_proposer
+from specheads.inference.node_budget import WithNodeBudget
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.eagle import EagleProposer
 from specheads.inference.proposers.lookup import DEFAULT_LOOKUP, WithPromptLookup
@@ -68,10 +69,13 @@ def test_lookup_option_wraps_the_heads_or_not(target, tmp_path):
     medusa = METHODS.get("medusa")
 
     def proposer(**values):
-        return make_proposer("medusa", target, medusa.make_options({"heads": str(tmp_path), **values}), None)
+        values = {"heads": str(tmp_path), "node_budget": "fixed", **values}  # no budget wrapped around it
+        return make_proposer("medusa", target, medusa.make_options(values), None)
 
     default = proposer()
     assert isinstance(default, WithPromptLookup) and default.config == DEFAULT_LOOKUP
+    budgeted = proposer(node_budget=None)  # the default budget wraps the heads with lookup grafted on
+    assert isinstance(budgeted, WithNodeBudget) and isinstance(budgeted.inner, WithPromptLookup)
     three = proposer(lookup=3)
     assert three.config.num_candidates == 3 and three.config.max_nodes == 3 * DEFAULT_LOOKUP.depth
     assert isinstance(proposer(lookup=0), MedusaProposer)
@@ -96,3 +100,10 @@ def test_bench_specs_take_a_lookup_suffix(tmp_path, monkeypatch):
     assert spec.settings == (("draft_dtype", "int8"), ("lookup", "0"))
     with pytest.raises(ValueError, match="unknown --draft-dtype 'int4'; use one of: target, int8"):
         parse_methods("eagle:runs/x/final+draft_dtype=int4")
+    (ngram,) = parse_methods("ngram+node_budget=fixed+width=2")  # suffixes on a method without an argument
+    assert (ngram.method, ngram.arg, ngram.options.node_budget, ngram.options.width) == ("ngram", None, "fixed", 2)
+    for bad, message in (("ngram:3+width=2", "method ngram takes no argument"),
+                         ("ngram+wdth=2", r"ngram has no option 'wdth' \(its options: depth, width, node_budget\)"),
+                         ("ar+lookup=0", r"ar has no option 'lookup' \(its options: none\)")):
+        with pytest.raises(ValueError, match=message):
+            parse_methods(bad)

@@ -83,11 +83,8 @@ def test_a_steep_curve_keeps_only_the_nodes_worth_their_cost():
     assert kept.accept_probs.tolist() == [1.0, 0.9, 0.3]
 
 
-def test_drafting_time_counts_in_the_choice():
-    tree = star([0.25])  # alone: 1.25 / 1.3 loses to a plain step's 1 / 1
-    budget = NodeBudget(STEEP, calibrate=False)
-    assert budget.choose(tree).size == 1
-    assert budget.choose(tree, draft_seconds=0.02).size == 2  # 1.25 / 3.3 beats 1 / 3: drafting is paid anyway
+def test_a_plain_step_wins_when_no_tree_pays():
+    assert NodeBudget(STEEP, calibrate=False).choose(star([0.25, 0.01])).size == 1  # 1.25 / 1.3 < 1 / 1
 
 
 def test_kept_nodes_are_ancestor_closed_even_when_estimates_are_not_monotone():
@@ -155,8 +152,8 @@ def test_greedy_with_a_budget_equals_plain_greedy(target, cost):
     whole = []  # tree sizes as drafted and as verified
     choose = proposer.budget.choose
 
-    def spy(tree, draft_seconds=0.0):
-        kept = choose(tree, draft_seconds)
+    def spy(tree):
+        kept = choose(tree)
         whole.append((tree.size, kept.size))
         return kept
 
@@ -189,3 +186,23 @@ def test_eagle_stops_expanding_below_the_floor(target):
         ctx = start_proposer(proposer, target, prompt)
         depths[floor] = proposer.propose(ctx).max_depth
     assert depths[0.0] == 5 and depths[0.999] == 1  # level 1 is always drafted
+
+
+def test_ngram_with_the_default_budget_equals_plain_greedy(target):
+    from specheads.inference.methods import METHODS, make_proposer
+
+    prompt = repetitive_prompt()
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=40).output_ids
+    proposer = make_proposer("ngram", target, METHODS.get("ngram").make_options({}), None)
+    assert isinstance(proposer, WithNodeBudget)  # the default
+    res = Engine(target, proposer).generate(prompt, max_new_tokens=40)
+    assert res.output_ids == plain and res.stats.drafted > 0
+
+
+def test_an_unknown_budget_is_refused_before_anything_loads():
+    from specheads.inference.methods import METHODS
+
+    for method in ("ngram", "eagle"):
+        with pytest.raises(ValueError, match="unknown --node-budget 'cheap'; use one of: auto, fixed"):
+            METHODS.get(method).make_options({"heads": ".", "node_budget": "cheap"} if method == "eagle"
+                                             else {"node_budget": "cheap"})

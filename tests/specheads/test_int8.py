@@ -29,3 +29,19 @@ def test_without_int8_kernels_the_error_names_the_way_out(monkeypatch):
     monkeypatch.setattr(int8, "int8_supported", lambda: False)
     with pytest.raises(ValueError, match="no int8 CPU kernels .* leave --draft-dtype at its default"):
         Int8Matrix(torch.randn(4, 4))
+
+
+def test_int8_medusa_heads_leave_the_shared_target_lm_head_alone():
+    from specheads.heads.medusa import MedusaConfig, MedusaHeads
+    from tests.conftest import tiny_model
+
+    target = tiny_model("llama")
+    heads = MedusaHeads(MedusaConfig.for_target(target, num_heads=2), target.get_output_embeddings())
+    assert heads.target_lm_head is target.lm_head  # the shared full-vocabulary head
+    hidden = torch.randn(1, 3, target.config.hidden_size)
+    want = heads(hidden)
+    quantize_linears(heads)
+    assert type(target.lm_head) is nn.Linear and isinstance(heads.target_lm_head, Int8Linear)
+    got = heads(hidden)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
