@@ -74,8 +74,10 @@ class Method:
             raise ValueError(f"{flag(name)} takes {'an integer' if kind is int else 'a number'}, got {text!r}") from None
 
     def heads_alone(self, path: str) -> Any:
-        """Options for the drafter saved at `path` with nothing grafted on (what training measures)."""
-        return self.make_options({self.arg: path, **({"lookup": 0} if self.takes("lookup") else {})})
+        """Options for the drafter saved at `path` with nothing grafted on and its whole trees verified (what
+        training measures: the heads' own τ, the same on every machine)."""
+        return self.make_options({self.arg: path, **({"lookup": 0} if self.takes("lookup") else {}),
+                                  **({"node_budget": "fixed"} if self.takes("node_budget") else {})})
 
 
 METHODS: Registry[Method] = Registry("method", builtins="specheads.inference.proposers")

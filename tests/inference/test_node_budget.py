@@ -206,3 +206,11 @@ def test_an_unknown_budget_is_refused_before_anything_loads():
         with pytest.raises(ValueError, match="unknown --node-budget 'cheap'; use one of: auto, fixed"):
             METHODS.get(method).make_options({"heads": ".", "node_budget": "cheap"} if method == "eagle"
                                              else {"node_budget": "cheap"})
+
+
+def test_training_measures_whole_trees_of_the_heads_alone():
+    from specheads.inference.methods import METHODS
+
+    for kind in ("eagle", "medusa"):
+        options = METHODS.get(kind).heads_alone(".")
+        assert (options.lookup, options.node_budget) == (0, "fixed")
