@@ -65,13 +65,13 @@ class DrafterCase:
     options: list[dict[str, Any]] = field(default_factory=lambda: [{}])  # decoding options to try (besides heads)
 
 
+# Every option set decodes with the default node budget; the sampling check decodes whole trees (`node_budget: fixed`).
 DRAFTERS: dict[str, DrafterCase] = {
     "eagle": DrafterCase(lambda target: random_eagle_head(target, draft_vocab=tuple(range(3, 80))),
-                         [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"draft_dtype": "int8", "lookup": 0},
-                          {"node_budget": "fixed"}]),
+                         [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"draft_dtype": "int8", "lookup": 0}]),
     "eagle3": DrafterCase(_eagle3, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
-    "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0}, {"node_budget": "fixed"},
+    "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
 }
 
