@@ -80,9 +80,10 @@ class NodeBudget:
         assert tree.accept_probs is not None
         probs = self.calibration(tree.accept_probs) if self.calibration is not None else tree.accept_probs.clone()
         probs[0] = 1.0
-        parents = tree.parents.tolist()
-        for i in range(1, tree.size):  # a path is accepted only if its prefix is
-            probs[i] = min(probs[i], probs[parents[i]])
+        depths, parents = tree.depths.cpu(), tree.parents.cpu()
+        for d in range(1, int(depths.max()) + 1):  # a path is accepted only if its prefix is: one level at a time
+            level = (depths == d).nonzero().squeeze(1)
+            probs[level] = torch.minimum(probs[level], probs[parents[level]])
         return probs
 
     def choose(self, tree: DraftTree) -> DraftTree:

@@ -171,7 +171,8 @@ class EagleProposer:
         parent_hidden = root_hidden.expand(k, -1)  # [n_d, H]
         first_id = 1  # candidate number of the level's first node
         seen = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [F, F]: fed row i sees fed row j (an ancestor or itself)
-        floor = math.log(self.stop_below()) if self.stop_below is not None and self.stop_below() > 0 else None
+        below = self.stop_below() if self.stop_below is not None else 0.0
+        floor = math.log(below) if below > 0 else None
         for d in range(2, depth + 1):
             level_scores = scores[-1]
             if floor is not None and float(level_scores.max()) < floor:  # one host sync per level, only with a floor

@@ -45,8 +45,11 @@ class WithPromptLookup:
     def __init__(self, inner: Proposer, config: NgramConfig = DEFAULT_LOOKUP) -> None:
         self.inner = inner
         self.lookup = NgramProposer(config)
-        self.config = config
         self.needs_target_hidden = inner.needs_target_hidden
+
+    @property
+    def config(self) -> NgramConfig:
+        return self.lookup.config
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self.lookup.start(ctx, None)
