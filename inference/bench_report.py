@@ -192,8 +192,8 @@ def write_plots(report: BenchReport, records: list[Record], out_dir: Path) -> li
     return paths
 
 
-def write_report(report: BenchReport, records: list[Record], out_dir: Path) -> list[Path]:
-    """results.jsonl (with exactness marks), summary.json, summary.md, config.json and the plots."""
+def write_report(report: BenchReport, records: list[Record], out_dir: Path, plots: bool = True) -> list[Path]:
+    """results.jsonl (with exactness marks), summary.json, summary.md, config.json and (with `plots`) the plots."""
     out_dir = Path(out_dir)
     with (out_dir / "results.jsonl").open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(record_row(r)) + "\n" for r in records)
@@ -203,8 +203,8 @@ def write_report(report: BenchReport, records: list[Record], out_dir: Path) -> l
     (out_dir / "summary.md").write_text(summary_markdown(report), encoding="utf-8")
     (out_dir / "config.json").write_text(json.dumps({**report.config, "mismatches": report.mismatches}, indent=2,
                                                     default=str) + "\n", encoding="utf-8")
-    return [out_dir / n for n in ("results.jsonl", "summary.json", "summary.md", "config.json")] + write_plots(
-        report, records, out_dir)
+    written = [out_dir / n for n in ("results.jsonl", "summary.json", "summary.md", "config.json")]
+    return written + (write_plots(report, records, out_dir) if plots else [])
 
 
 def _key(method: str) -> str:

@@ -181,6 +181,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_weight_layout(p)
     p.add_argument("--output", type=Path,
                    help="directory for results.jsonl, summary.json, summary.md, config.json and PNG plots")
+    p.add_argument("--no-plots", action="store_true", help="write no PNG plots (then matplotlib is not needed)")
     p.add_argument("--report-to", choices=("none", "wandb"), default="none",
                    help="wandb: also log tables and charts as a W&B run (works with WANDB_MODE=offline)")
     p.add_argument("--wandb-project", help="W&B project (default: $WANDB_PROJECT or 'specheads')")
@@ -232,7 +233,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         raise ValueError(f"--turns 2 needs two turns per question; {args.questions} has single-turn questions")
     if args.output is not None:
         _check_writable(args.output)
-    if args.output is not None or args.report_to == "wandb":
+    if not args.no_plots and (args.output is not None or args.report_to == "wandb"):
         bench_report.require_plotting()
     if args.report_to == "wandb":
         bench_report.require_wandb()
@@ -298,9 +299,10 @@ def _run_bench(args: argparse.Namespace) -> None:
     if report.mismatches:
         print(bench_report.mismatch_summary(report.mismatches), file=sys.stderr)
     with tempfile.TemporaryDirectory() as scratch:
+        plots: list[Path] = []
         if args.output is not None:
-            plots = bench_report.write_report(report, records, args.output)
-        elif args.report_to == "wandb":
+            plots = bench_report.write_report(report, records, args.output, plots=not args.no_plots)
+        elif args.report_to == "wandb" and not args.no_plots:
             plots = bench_report.write_plots(report, records, Path(scratch))
         if args.report_to == "wandb":
             run_dir = bench_report.log_wandb(report, records, plots, run_dir=args.output, project=args.wandb_project,

@@ -25,6 +25,7 @@ from specheads.inference.methods import DraftLoader, Method, option, register_me
 from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
+from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype, quantize_linears
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,10 @@ class DraftOptions:
                                "(the target's first N layers)")
     depth: int | None = option(f"draft tokens per branch (default {DraftConfig.depth})")
     width: int | None = option(f"branches at the root (default {DraftConfig.width}: a chain)")
+    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
 
     def __post_init__(self) -> None:
+        check_draft_dtype(self.draft_dtype)
         if self.draft is not None and self.draft.startswith(EARLY_EXIT) and not self.draft[len(EARLY_EXIT):].isdigit():
             raise ValueError(f"--draft {self.draft}: N must be a layer count, e.g. early-exit:8")
 
@@ -206,7 +209,19 @@ def _build(target: PreTrainedModel, options: DraftOptions, load_draft: DraftLoad
             raise ValueError("method 'draft' needs a draft model loader to load " + options.draft)
         model = load_draft(options.draft)
     cfg = DraftConfig(depth=options.depth or DraftConfig.depth, width=options.width or DraftConfig.width)
-    return DraftModelProposer(model, cfg, target_vocab_size=vocab_size(target))
+    check_vocab_size(model, vocab_size(target))  # before int8: an Int8Linear LM head has no weight to count rows of
+    if options.draft_dtype == "int8":
+        model = int8_draft(model)
+    return DraftModelProposer(model, cfg)
+
+
+def int8_draft(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` with int8 linear layers (its LM head included) and everything else in fp32, the dtype int8 products
+    return. Modules are replaced in `model` only: an early-exit draft's layers stay shared-weight fp32/bf16 in the
+    target."""
+    if model.dtype != torch.float32:
+        model = model.float()  # new fp32 tensors for the draft; the target's own parameters keep their dtype
+    return quantize_linears(model)
 
 
 register_method(Method(

@@ -143,9 +143,10 @@ def test_greedy_mismatch_is_reported_with_its_first_position(tiny_model_dir, que
                                                             accept_first_draft):
     out_dir = tmp_path / "bench"
     code, out, err = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,draft:early-exit:1", "--questions",
-                              str(questions_file), "--max-new-tokens", "16", "--warmup", "0", "--output", str(out_dir)],
-                             capsys)
+                              str(questions_file), "--max-new-tokens", "16", "--warmup", "0", "--output", str(out_dir),
+                              "--no-plots"], capsys)
     assert code == 0, err
+    assert (out_dir / "summary.md").is_file() and not list(out_dir.glob("*.png"))  # --no-plots: tables only
     rows = read_rows(out_dir)
     ar = {r["question_id"]: r["output_ids"] for r in rows if r["method"] == "ar"}
     drafted = [r for r in rows if r["method"] == "draft:early-exit:1"]

@@ -27,7 +27,7 @@ from specheads.inference.verifier import verify
 
 VOCAB = 6
 ROOT = 2
-SAMPLES = 30_000
+SAMPLES = 10_000  # the weakest negative control is still rejected at p ~ 1e-27
 PASS_P = 1e-3  # a correct verifier must not be rejected at this level
 REJECT_P = 1e-6  # a flawed verifier must be rejected at this level
 

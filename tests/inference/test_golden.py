@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specheads.inference import Engine, SamplingParams
+from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
@@ -27,6 +28,8 @@ def proposers(target, arch):
     yield "draft-chain", DraftModelProposer(draft, DraftConfig(depth=4), target_vocab_size=96)
     yield "draft-tree", DraftModelProposer(draft, DraftConfig(depth=3, width=3), target_vocab_size=96)
     yield "early-exit", DraftModelProposer(early_exit_model(target, 2), DraftConfig(depth=4, width=2))
+    yield "early-exit-int8", make_proposer("draft", target, METHODS.get("draft").make_options(
+        {"draft": "early-exit:2", "depth": 4, "width": 2, "draft_dtype": "int8"}), None)
 
 
 @pytest.mark.parametrize("prompt_seed", [1, 2])

@@ -45,3 +45,19 @@ def test_int8_medusa_heads_leave_the_shared_target_lm_head_alone():
     got = heads(hidden)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_an_int8_early_exit_draft_of_a_bf16_target_leaves_the_target_alone():
+    from specheads.inference.methods import METHODS, make_proposer
+    from tests.conftest import tiny_model
+
+    target = tiny_model("llama").to(torch.bfloat16)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    proposer = make_proposer("draft", target, METHODS.get("draft").make_options(
+        {"draft": "early-exit:1", "draft_dtype": "int8"}), None)
+    draft = proposer.model
+    assert isinstance(draft.lm_head, Int8Linear) and isinstance(draft.model.layers[0].mlp.up_proj, Int8Linear)
+    assert draft.model.embed_tokens.weight.dtype == torch.float32  # what int8 products return
+    assert isinstance(target.lm_head, nn.Linear) and isinstance(target.model.layers[0].mlp.up_proj, nn.Linear)
+    after = target.state_dict()
+    assert all(after[k].dtype == torch.bfloat16 and torch.equal(after[k], v) for k, v in before.items())

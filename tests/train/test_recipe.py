@@ -57,10 +57,11 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
     drafted_per_step = {}
     for tree in (None, "wide", "eagle2"):  # every named tree decodes exactly; bigger ones draft more per step
-        eagle = Engine(target, make_proposer("eagle", target, METHODS.get("eagle").make_options(
-            {"heads": str(out / "final"), "tree": tree}), None))
-        res = eagle.generate(prompt, max_new_tokens=32)
-        assert res.output_ids == plain.output_ids, tree
+        for budget in ("auto", "fixed"):  # auto prunes by this machine's verify cost, so only fixed sizes compare
+            eagle = Engine(target, make_proposer("eagle", target, METHODS.get("eagle").make_options(
+                {"heads": str(out / "final"), "tree": tree, "node_budget": budget, "lookup": 0}), None))
+            res = eagle.generate(prompt, max_new_tokens=32)
+            assert res.output_ids == plain.output_ids, (tree, budget)
         drafted_per_step[tree] = res.stats.drafted / res.stats.steps
     assert 0 < drafted_per_step[None] < drafted_per_step["wide"] < drafted_per_step["eagle2"], drafted_per_step
 
