@@ -40,6 +40,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     _add_weight_layout(p)
+    _add_fp32_head(p)
     p.add_argument("--output", type=Path, help="write one JSON object per answer to this JSONL file")
     p.set_defaults(func=_run_generate)
 
@@ -48,6 +49,12 @@ def _add_weight_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-layout", default="auto", choices=LAYOUTS,
                    help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such as "
                         "a tree verify run 2-5x faster that way; row-major elsewhere), row, column. Only GEMM rounding changes")
+
+
+def _add_fp32_head(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fp32-head", action="store_true",
+                   help="with --dtype bfloat16/float16: compute the target's final norm and LM head in fp32, so logits "
+                        "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per position)")
 
 
 def _run_generate(args: argparse.Namespace) -> None:
@@ -80,7 +87,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         out_file = args.output.open("w", encoding="utf-8")  # fail now, not after minutes of generation
 
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
-                                   weight_layout=args.weight_layout)
+                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head)
 
     def load_draft(name: str):
         draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype, weight_layout=args.weight_layout)
@@ -179,6 +186,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     _add_weight_layout(p)
+    _add_fp32_head(p)
     p.add_argument("--output", type=Path,
                    help="directory for results.jsonl, summary.json, summary.md, config.json and PNG plots")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots (then matplotlib is not needed)")
@@ -242,13 +250,13 @@ def _run_bench(args: argparse.Namespace) -> None:
               "num_questions": len(questions), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "warmup": args.warmup, "device": args.device, "dtype": args.dtype,
-              "weight_layout": args.weight_layout,
+              "weight_layout": args.weight_layout, "fp32_head": args.fp32_head,
               "started": datetime.datetime.now().isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
-                                   weight_layout=args.weight_layout)
+                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head)
 
     def load_draft(name: str):
         draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype, weight_layout=args.weight_layout)

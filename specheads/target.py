@@ -28,6 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specheads.fp32_head import fp32_head as with_fp32_head
 from specheads.gemm_layout import resolve_layout, set_linear_layout
 
 logger = logging.getLogger(__name__)
@@ -229,12 +230,14 @@ def parse_dtype(value: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 def load_target(
-    name: str, *, device: str = "cpu", dtype: str | torch.dtype = "auto", weight_layout: str = "row"
+    name: str, *, device: str = "cpu", dtype: str | torch.dtype = "auto", weight_layout: str = "row",
+    fp32_head: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the frozen target and its tokenizer, in eval mode with gradients off.
 
     `weight_layout` (see `gemm_layout.py`): "auto" stores linear weights column-major where that makes
     the few-row GEMMs of tree verification faster (fp32 on CPU); the default keeps them as loaded.
+    `fp32_head` (see `fp32_head.py`): a bf16/fp16 target computes its final norm and LM head in fp32.
     """
     device = parse_device(device)
     torch_dtype = parse_dtype(dtype, device)
@@ -248,6 +251,8 @@ def load_target(
         logger.warning("SDPA attention unavailable for %s (%s); falling back to eager", name, err)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="eager")
     model = set_linear_layout(model.to(device).eval(), layout)
+    if fp32_head:
+        model = with_fp32_head(model)
     model.requires_grad_(False)
     return model, tokenizer
 
