@@ -1,0 +1,89 @@
+"""Each divergence equals its textbook formula on hand-made distributions, and behaves as a loss should."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specheads.train.divergence import DIVERGENCES, masked_mean, token_divergence
+
+P = [0.5, 0.3, 0.2]  # the target's distribution
+Q = [0.2, 0.2, 0.6]  # the drafter's
+
+
+def logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs).log()
+
+
+def kl(a: list[float], b: list[float]) -> float:
+    return sum(x * math.log(x / y) for x, y in zip(a, b) if x > 0)
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    ("forward_kl", kl(P, Q)),
+    ("reverse_kl", kl(Q, P)),
+    ("jsd", 0.5 * kl(P, [(x + y) / 2 for x, y in zip(P, Q)]) + 0.5 * kl(Q, [(x + y) / 2 for x, y in zip(P, Q)])),
+    ("tv", 0.5 * sum(abs(x - y) for x, y in zip(P, Q))),
+])
+def test_each_divergence_equals_its_formula(name, want):
+    got = token_divergence(name, logits(P), logits(Q))
+    assert got.shape == () and got.dtype == torch.float32
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    assert float(token_divergence(name, logits(P), logits(P))) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_jsd_weights_and_temperature_follow_their_definitions():
+    beta = 0.2
+    m = [beta * x + (1 - beta) * y for x, y in zip(P, Q)]
+    got = token_divergence("jsd", logits(P), logits(Q), beta=beta)
+    assert float(got) == pytest.approx(beta * kl(P, m) + (1 - beta) * kl(Q, m), rel=1e-5)
+    # At temperature 2 both sides are softmax(log p / 2) = normalised sqrt(p).
+    def soften(d):
+        return [math.sqrt(x) / sum(math.sqrt(y) for y in d) for x in d]
+    got = token_divergence("forward_kl", logits(P), logits(Q), temperature=2.0)
+    assert float(got) == pytest.approx(kl(soften(P), soften(Q)), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_gradients_reach_the_drafter_only_and_lower_the_divergence(name):
+    target = torch.randn(4, 7, 50, requires_grad=True)  # [B, T, V]
+    draft = torch.randn(4, 7, 50, requires_grad=True)
+    loss = token_divergence(name, target, draft).mean()
+    loss.backward()
+    assert target.grad is None and torch.isfinite(draft.grad).all() and draft.grad.abs().sum() > 0
+    with torch.no_grad():  # one small step against the gradient lowers the loss
+        assert token_divergence(name, target, draft - 0.5 * draft.grad).mean() < loss
+
+
+def test_bf16_logits_are_scored_in_fp32_and_impossible_tokens_give_no_nan():
+    target = torch.tensor([[0.0, 1.0, float("-inf")]])  # the target never says token 2
+    draft = torch.tensor([[0.5, 0.5, 0.0]], requires_grad=True)
+    for name in DIVERGENCES:
+        loss = token_divergence(name, target.bfloat16(), draft.bfloat16())
+        assert loss.dtype == torch.float32, name
+        assert name == "reverse_kl" or torch.isfinite(loss).all(), name  # reverse KL: see below
+        if name == "forward_kl":
+            loss.sum().backward()
+            assert torch.isfinite(draft.grad).all()
+    # The drafter putting mass where the target has none: infinite reverse KL, as the formula says.
+    assert float(token_divergence("reverse_kl", target, draft.detach())) == math.inf
+
+
+def test_masked_mean_counts_only_assistant_positions_and_survives_an_empty_mask():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    assert float(masked_mean(values, mask)) == pytest.approx((1 + 3 + 6) / 3)
+    assert float(masked_mean(values, torch.zeros_like(mask))) == 0.0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"name": "kl"}, "unknown divergence 'kl'; use one of: forward_kl, reverse_kl, jsd, tv"),
+    ({"name": "jsd", "beta": 1.0}, r"beta must be in \(0, 1\)"),
+    ({"name": "tv", "temperature": 0.0}, "temperature must be > 0"),
+])
+def test_bad_settings_are_named(kwargs, message):
+    name = kwargs.pop("name")
+    with pytest.raises(ValueError, match=message):
+        token_divergence(name, logits(P), logits(Q), **kwargs)
