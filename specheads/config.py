@@ -138,8 +138,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def save_config(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config (every default filled in) as YAML."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

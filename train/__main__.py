@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"specheads train: error: {err}", file=sys.stderr)
         return 2
-    print(f"heads saved to {final}", file=sys.stderr)
+    print(f"drafter saved to {final}", file=sys.stderr)
     return 0
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specheads.config import build, read_config_data
+from specheads.config import build, read_config_data, to_dict
 from specheads.train.objective import OBJECTIVES
 
 
@@ -78,6 +78,9 @@ class TrainConfig:
         elif not isinstance(self.heads, settings):
             raise TypeError(f"the {self.recipe} recipe takes heads settings of type {settings.__name__}, "
                             f"got {type(self.heads).__name__}")
+        if self.init_heads and not OBJECTIVES.get(self.recipe).trains_heads:
+            raise ValueError(f"init_heads applies to heads recipes; the {self.recipe} recipe starts from its "
+                             f"{OBJECTIVES.get(self.recipe).section}.init (e.g. a previous run's final/)")
         if self.output_dir is None:
             object.__setattr__(self, "output_dir", f"runs/{self.recipe}")
         if self.max_steps < 1:
@@ -96,12 +99,26 @@ class TrainConfig:
 
 
 def load_train_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
-    """YAML + overrides -> TrainConfig; the `heads:` section is built with the named recipe's own settings class."""
+    """YAML + overrides -> TrainConfig; the recipe's section (`heads:`, or `drafter:` for distill) is built with the
+    named recipe's own settings class."""
     data = read_config_data(path, overrides)
     if data.get("recipe") is None:  # unknown keys are reported first, then the missing recipe
-        return build(TrainConfig, {k: v for k, v in data.items() if k != "heads"})
-    settings = OBJECTIVES.get(str(data["recipe"])).settings
-    heads = data.get("heads") or {}
+        return build(TrainConfig, {k: v for k, v in data.items() if k not in ("heads", "drafter")})
+    objective = OBJECTIVES.get(str(data["recipe"]))
+    section = objective.section
+    other = "drafter" if section == "heads" else "heads"
+    if other in data:
+        raise ValueError(f"the {objective.name} recipe takes its settings under '{section}:', not '{other}:'; "
+                         f"rename the section")
+    heads = data.pop(section, None) or {}
     if not isinstance(heads, dict):
-        raise ValueError(f"config key 'heads' must be a section (mapping), got {heads!r}")
-    return build(TrainConfig, {**data, "heads": build(settings, heads, prefix="heads.")})
+        raise ValueError(f"config key '{section}' must be a section (mapping), got {heads!r}")
+    return build(TrainConfig, {**data, "heads": build(objective.settings, heads, prefix=f"{section}.")})
+
+
+def train_config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as plain data, its recipe settings under the recipe's own section name (what config.yaml holds,
+    so a saved config loads back)."""
+    data = to_dict(cfg)
+    section = OBJECTIVES.get(cfg.recipe).section
+    return {(section if k == "heads" else k): v for k, v in data.items()}

@@ -62,10 +62,3 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     a = log_a.exp()
     # masked_fill, not torch.where: the unselected 0 * -inf would still send NaN into the gradients
     return (a * (log_a - log_b).masked_fill(a == 0, 0.0)).sum(-1)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean of `values` [...] over the positions where `mask` [...] is true (0 when none is: a batch of
-    prompts only must not make the loss NaN)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)

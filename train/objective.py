@@ -3,14 +3,15 @@
 A drafter kind (`specheads.kinds`) becomes trainable by registering an `Objective` here, from its own
 file in `specheads.train` (see `objectives.py` for the built-in ones). The recipe's loop, data,
 features, checkpoints and measured τ are shared; an objective supplies only the kind's parts:
-its settings (the YAML `heads:` section), how to build the module, one step's loss, evaluation, and
-the config its final checkpoint is saved with.
+its settings (the YAML `heads:` section, or the one `section` names), how to build the module, one
+step's loss, evaluation, and how its final drafter is saved.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, is_dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,14 @@ def _own_config(module: nn.Module, eval_extra: Any) -> Any:
 
 def _no_aux_layers(settings: Any, num_target_layers: int) -> tuple[int, ...]:
     return ()
+
+
+def save_heads(module: nn.Module, folder: Path, *, target: nn.Module, tokenizer: Any, target_name: str, config: Any,
+               metadata: dict[str, Any]) -> None:
+    """The kind's heads checkpoint (`specheads.heads.checkpoint`): what heads recipes save as final/."""
+    from specheads.heads.checkpoint import TargetInfo, save_drafter
+
+    save_drafter(folder, module, TargetInfo.from_model(target, target_name), config=config, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,14 @@ class Objective:
     # (settings, the target's layer count) -> the target hidden_states indices the features carry besides the last
     # layer (the feature cache's layout)
     feature_layers: Callable[[Any, int], tuple[int, ...]] = _no_aux_layers
+    # (module, folder, *, target, tokenizer, target_name, config, metadata) -> None: writes final/
+    save: Callable[..., None] = save_heads
+    section: str = "heads"  # the YAML section of `settings` (`drafter:` for standalone draft models)
+
+    @property
+    def trains_heads(self) -> bool:
+        """Heads checkpoints (`init_heads` applies) rather than a standalone model folder."""
+        return self.save is save_heads
 
     def __post_init__(self) -> None:
         if not is_dataclass(self.settings):

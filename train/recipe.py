@@ -24,12 +24,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from specheads.config import save_config, to_dict
-from specheads.heads.checkpoint import TargetInfo, read_checkpoint, save_drafter
+from specheads.heads.checkpoint import read_checkpoint
 from specheads.inference.bench import measure
 from specheads.inference.methods import METHODS
 from specheads.target import load_target, stop_token_ids
-from specheads.train.config import TrainConfig
+from specheads.train.config import TrainConfig, train_config_dict
 from specheads.train.data import (
     collate,
     load_conversations,
@@ -88,8 +87,8 @@ def _check_resume_config(out: Path, cfg: TrainConfig) -> None:
     if not saved_path.is_file():
         return
     saved = yaml.safe_load(saved_path.read_text())
-    now = to_dict(cfg)
-    for section in ("recipe", "target", "heads", "draft_vocab_size"):
+    now = train_config_dict(cfg)
+    for section in ("recipe", "target", OBJECTIVES.get(cfg.recipe).section, "draft_vocab_size"):
         if saved.get(section) != now.get(section):
             raise ValueError(f"resume=true but '{section}' differs from the run in {out} "
                              f"({saved.get(section)!r} -> {now.get(section)!r}); resume with the original model "
@@ -165,7 +164,7 @@ def train(cfg: TrainConfig) -> Path:
         _check_resume_config(out, cfg)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
+        (out / "config.yaml").write_text(yaml.safe_dump(train_config_dict(cfg), sort_keys=False), encoding="utf-8")
     accelerator.wait_for_everyone()
 
     target, tokenizer = load_target(cfg.target, device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
@@ -206,7 +205,7 @@ def train(cfg: TrainConfig) -> Path:
         step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
         log.info("resumed from %s at step %d", resume_from, step)
     if cfg.report_to == "wandb":
-        accelerator.init_trackers("specheads", config=to_dict(cfg), init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
+        accelerator.init_trackers("specheads", config=train_config_dict(cfg), init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
 
     metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if accelerator.is_main_process else None
 
@@ -283,9 +282,9 @@ def train(cfg: TrainConfig) -> Path:
         emit({"step": step, **evaluate()})
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(head)
-        save_drafter(final, model, TargetInfo.from_model(target, cfg.target),
-                     config=objective.final_config(model, last_eval_extra[0]), metadata={"eval": _last_eval(out)})
-        log.info("saved heads to %s", final)
+        objective.save(model, final, target=target, tokenizer=tokenizer, target_name=cfg.target,
+                       config=objective.final_config(model, last_eval_extra[0]), metadata={"eval": _last_eval(out)})
+        log.info("saved the %s drafter to %s", objective.kind, final)
         if cfg.measure_prompts:
             emit({"step": step, **measured_tau(cfg, objective, target, tokenizer, eval_ds, final)})
     accelerator.wait_for_everyone()
@@ -308,9 +307,13 @@ def held_out_prompts(eval_ds, n: int) -> list[list[int]]:
 
 
 def measured_tau(cfg: TrainConfig, objective: Objective, target, tokenizer, eval_ds, heads_dir: Path) -> dict[str, float]:
-    """τ of the saved heads decoding held-out prompts, through the same loader and runner as `specheads bench`."""
+    """τ of the saved drafter decoding held-out prompts, through the same loader and runner as `specheads bench`."""
     method = METHODS.get(objective.kind)  # the kind's decoding method carries its name
-    proposer = method.build(target, method.heads_alone(str(heads_dir)), None)
+
+    def load_draft(path: str):  # a standalone draft model (distill), in the target's dtype and place
+        return load_target(path, device=str(target.device), dtype=target.dtype)[0]
+
+    proposer = method.build(target, method.heads_alone(str(heads_dir)), load_draft)
     prompts = held_out_prompts(eval_ds, cfg.measure_prompts)
     if not prompts:
         return {}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specheads.train.divergence import DIVERGENCES, masked_mean, token_divergence
+from specheads.train.divergence import DIVERGENCES, token_divergence
 
 P = [0.5, 0.3, 0.2]  # the target's distribution
 Q = [0.2, 0.2, 0.6]  # the drafter's
@@ -69,13 +69,6 @@ def test_bf16_logits_are_scored_in_fp32_and_impossible_tokens_give_no_nan():
             assert torch.isfinite(draft.grad).all()
     # The drafter putting mass where the target has none: infinite reverse KL, as the formula says.
     assert float(token_divergence("reverse_kl", target, draft.detach())) == math.inf
-
-
-def test_masked_mean_counts_only_assistant_positions_and_survives_an_empty_mask():
-    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    mask = torch.tensor([[True, False, True], [False, False, True]])
-    assert float(masked_mean(values, mask)) == pytest.approx((1 + 3 + 6) / 3)
-    assert float(masked_mean(values, torch.zeros_like(mask))) == 0.0
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -1,0 +1,87 @@
+"""The distill recipe end to end on a tiny target: every divergence lowers its loss, final/ is a plain HF model
+folder that decodes exactly as a draft model, and bad settings are named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specheads.train.__main__ import main as train_main
+from specheads.train.config import load_train_config
+from tests.conftest import base_args
+
+
+def distill_args(inputs, out: Path, *extra: str) -> list[str]:
+    return [a for a in base_args(inputs, out) if not a.startswith("recipe=")] + [
+        "recipe=distill", "drafter.init=early-exit:1", "optim.lr=0.003", "max_steps=16", "eval_every=8",
+        "save_every=16", *extra]
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "tv"])
+def test_each_divergence_lowers_its_loss(tiny_run_inputs, tmp_path, divergence):
+    out = tmp_path / divergence
+    assert train_main(distill_args(tiny_run_inputs, out, f"drafter.divergence={divergence}",
+                                   "measure_prompts=0")) == 0
+    got = losses(out)
+    assert sum(got[s] for s in (14, 15, 16)) < 0.9 * sum(got[s] for s in (1, 2, 3)), got  # tv falls slowest
+
+
+def test_final_is_a_plain_model_folder_that_drafts_exactly(tiny_run_inputs, tmp_path):
+    from specheads.inference import Engine
+    from specheads.inference.methods import METHODS, make_proposer
+    from specheads.inference.proposers import AutoregressiveProposer
+    from specheads.target import load_target
+
+    out = tmp_path / "run"
+    assert train_main(distill_args(tiny_run_inputs, out, "drafter.divergence=tv")) == 0
+    final = out / "final"
+    assert (final / "config.json").is_file() and (final / "tokenizer_config.json").is_file()
+    assert json.loads((final / "specheads_distill.json").read_text())["target"] == str(tiny_run_inputs[0])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/tv" in r]
+    assert [r["step"] for r in evals] == [8, 16] and all(0 <= r["eval/top1_step1"] <= 1 for r in evals)
+    assert rows[-1]["eval/measured_prompts"] == 4 and rows[-1]["eval/measured_tau"] >= 1.0
+    saved = yaml_section(out)
+    assert saved["drafter"]["divergence"] == "tv" and "heads" not in saved  # config.yaml loads back as written
+    assert load_train_config(out / "config.yaml", []).heads.divergence == "tv"
+
+    target, _ = load_target(str(tiny_run_inputs[0]))
+    draft = AutoModelForCausalLM.from_pretrained(final)  # loads with transformers alone
+    assert draft.config.num_hidden_layers == 1
+    trained, start = draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight
+    assert not torch.equal(trained, start)  # it trained its own copy; the target is untouched
+    prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=24)
+    proposer = make_proposer("draft", target, METHODS.get("draft").make_options({"draft": str(final)}),
+                             lambda path: load_target(path)[0])
+    res = Engine(target, proposer).generate(prompt, max_new_tokens=24)
+    assert res.output_ids == plain.output_ids and res.stats.drafted > 0
+
+
+def yaml_section(out: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((out / "config.yaml").read_text())
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["drafter.divergence=kl"], "drafter.divergence 'kl' is unknown; use one of: forward_kl, reverse_kl, jsd, tv"),
+    (["drafter.init=early-exit:x"], "N must be a layer count"),
+    (["heads.num_layers=1"], "takes its settings under 'drafter:', not 'heads:'"),
+    (["init_heads=runs/x/final"], "init_heads applies to heads recipes; the distill recipe starts from its drafter.init"),
+    (["drafter.beta=1.5"], r"beta must be in \(0, 1\)"),
+])
+def test_bad_settings_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, extra, message):
+    assert train_main(distill_args(tiny_run_inputs, tmp_path / "bad", *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err or __import__("re").search(message, err), err
+    assert not (tmp_path / "bad").exists()  # nothing half-written
