@@ -36,6 +36,24 @@ META_FILE = "specheads_distill.json"  # beside the HF files in final/: what the 
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """`drafter.lora:` train low-rank adapters on a pretrained drafter instead of all its weights (peft); the
+    saved drafter has them merged, so it loads as a plain model."""
+
+    r: int = 16  # adapter rank
+    alpha: int = 32  # scaling: the update is (alpha / r) B A
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # names of the drafter's linear layers
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"drafter.lora needs r >= 1, alpha > 0 and 0 <= dropout < 1, got r={self.r}, "
+                             f"alpha={self.alpha}, dropout={self.dropout}")
+        if not self.target_modules:
+            raise ValueError("drafter.lora.target_modules is empty; name linear layers, e.g. [q_proj, v_proj]")
+
+
+@dataclass(frozen=True)
 class DistillSettings:
     """The `drafter:` section of a distill recipe."""
 
@@ -44,6 +62,7 @@ class DistillSettings:
     divergence: str = "forward_kl"  # one of divergence.DIVERGENCES
     beta: float = 0.5  # jsd: the weight of the target's side
     temperature: float = 1.0  # both distributions at logits / temperature
+    lora: LoraSettings | None = None  # train LoRA adapters only (merged into final/); none: every weight trains
 
     def __post_init__(self) -> None:
         if self.divergence not in DIVERGENCES:
@@ -97,7 +116,23 @@ def build_drafter(settings: DistillSettings, target: PreTrainedModel, draft_voca
             draft_tokenizer = None
         check_same_vocabulary(target, _target_tokenizer(target), model, draft_tokenizer)
     model = model.float().to(next(target.parameters()).device).train().requires_grad_(True)
+    if settings.lora is not None:
+        model = with_lora(model, settings.lora)
     return Drafter(model)
+
+
+def with_lora(model: PreTrainedModel, lora: LoraSettings) -> nn.Module:
+    """`model` with LoRA adapters on `lora.target_modules`; only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unknown = [m for m in lora.target_modules if m not in linear]
+    if unknown:
+        raise ValueError(f"drafter.lora.target_modules {unknown} are not linear layers of the drafter; its linear "
+                         f"layers are: {', '.join(sorted(linear))}")
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 def _scored(target: nn.Module, drafter: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +181,8 @@ def save_distilled(drafter: nn.Module, folder: Path, *, target: nn.Module, token
                    config: Any, metadata: dict[str, Any]) -> None:
     """A plain HF model folder (weights, config, the target's tokenizer) plus what it was distilled from."""
     model = drafter.model
+    if hasattr(model, "merge_and_unload"):  # LoRA: fold the adapters in, so the folder is a plain model
+        model = model.merge_and_unload()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (Path(folder) / META_FILE).write_text(json.dumps({"target": target_name, **metadata}, indent=2) + "\n")

@@ -67,6 +67,42 @@ def test_final_is_a_plain_model_folder_that_drafts_exactly(tiny_run_inputs, tmp_
     assert res.output_ids == plain.output_ids and res.stats.drafted > 0
 
 
+def test_lora_trains_adapters_only_and_final_holds_them_merged(tiny_run_inputs, tmp_path):
+    from specheads.target import load_target
+    from specheads.train.distill import DistillSettings, Drafter, LoraSettings, build_drafter, save_distilled
+
+    target, tokenizer = load_target(str(tiny_run_inputs[0]))
+    drafter = build_drafter(DistillSettings(init="early-exit:1", lora=LoraSettings(r=4, target_modules=("q_proj", "up_proj"))),
+                            target)
+    trainable = [n for n, p in drafter.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    with torch.no_grad():  # adapters start as a no-op (B = 0): give them an update to merge
+        for n, p in drafter.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.2)
+    ids = torch.tensor([[1, 5, 9, 12, 2, 1, 20, 23]])
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    drafter.eval()
+    with torch.no_grad():
+        unmerged = drafter(ids, torch.ones_like(ids), keep)
+    save_distilled(drafter, tmp_path / "final", target=target, tokenizer=tokenizer, target_name="tiny", config=None,
+                   metadata={})
+    assert not (tmp_path / "final" / "adapter_config.json").exists()
+    merged = Drafter(AutoModelForCausalLM.from_pretrained(tmp_path / "final")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids, torch.ones_like(ids), keep), unmerged, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"target_modules \['qkv'\] are not linear layers of the drafter; its linear "
+                                         r"layers are: down_proj, gate_proj, k_proj, lm_head"):
+        build_drafter(DistillSettings(init="early-exit:1", lora=LoraSettings(target_modules=("qkv",))), target)
+
+
+def test_a_lora_run_trains_and_saves_a_plain_model(tiny_run_inputs, tmp_path):
+    out = tmp_path / "lora"
+    assert train_main(distill_args(tiny_run_inputs, out, "drafter.lora.r=4", "measure_prompts=0")) == 0
+    assert load_train_config(out / "config.yaml", []).heads.lora.r == 4
+    assert AutoModelForCausalLM.from_pretrained(out / "final").config.num_hidden_layers == 1
+
+
 def yaml_section(out: Path) -> dict:
     import yaml
 
