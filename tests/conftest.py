@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from specheads.inference.verify_cost import VerifyCost
+
 TINY_VOCAB = 96
 
 
@@ -75,11 +77,18 @@ def start_proposer(proposer, target: torch.nn.Module, prompt: list[int], max_dep
 
 @pytest.fixture(autouse=True)
 def _verify_cost_cache(tmp_path_factory, monkeypatch):
-    """Verify-cost curves measured by tests are cached in a temporary folder, never the user's."""
+    """Node budgets in tests decide on one fixed, mildly rising verify-cost curve, cached in a temporary folder
+    (never the user's): a curve measured on a busy machine could make a test draft nothing. Measuring itself is
+    tested in tests/inference/test_node_budget.py (`measure_verify_cost`)."""
     import specheads.inference.verify_cost as verify_cost
 
     folder = tmp_path_factory.getbasetemp() / "verify-cost"
     monkeypatch.setattr(verify_cost, "default_cache_dir", lambda: folder)
+    monkeypatch.setattr(verify_cost, "measure_verify_cost", lambda *args, **kwargs: TEST_VERIFY_COST)
+
+
+# A tree of 8 nodes costs 1.2 one-token steps, 32 nodes 1.8: trees pay when drafts are accepted at all.
+TEST_VERIFY_COST = VerifyCost(nodes=(1, 2, 4, 8, 16, 32, 64), seconds=(0.010, 0.0105, 0.011, 0.012, 0.014, 0.018, 0.026))
 
 
 @pytest.fixture

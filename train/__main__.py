@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         from specheads.train.objective import OBJECTIVES
 
-        print(__doc__.strip() + f"\n\nRecipes (the config's recipe: key): {', '.join(OBJECTIVES.names())}."
+        print(__doc__.strip() + f"\n\nRecipes (the config's recipe: key): {', '.join(sorted(OBJECTIVES.names()))}."
               "\nCommon overrides: output_dir=DIR max_steps=N data.max_conversations=N resume=true "
               "report_to=wandb", file=sys.stderr)
         return 0 if args else 2

@@ -70,7 +70,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.recipe is None:
-            raise ValueError(f"the config names no recipe; add recipe: one of {', '.join(OBJECTIVES.names())} "
+            raise ValueError(f"the config names no recipe; add recipe: one of {', '.join(sorted(OBJECTIVES.names()))} "
                              "(or pass recipe=NAME)")
         settings = OBJECTIVES.get(self.recipe).settings
         if self.heads is None:

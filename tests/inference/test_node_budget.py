@@ -52,6 +52,7 @@ def test_a_bad_curve_is_refused(nodes, seconds):
 
 
 def test_measured_once_then_read_from_the_cache(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", measure_verify_cost)  # the real one (conftest fixes it)
     first = verify_cost(target, cache_dir=tmp_path, sizes=(1, 2, 4), reps=1, context=16)
     assert first.nodes == (1, 2, 4) and all(s > 0 for s in first.seconds)
     (entry,) = tmp_path.glob("*.json")
