@@ -104,6 +104,10 @@ def build_drafter(settings: DistillSettings, target: PreTrainedModel, draft_voca
     init = settings.init
     if init.startswith(EARLY_EXIT):
         model = copy.deepcopy(early_exit_model(target, int(init[len(EARLY_EXIT):])))  # own weights, not the target's
+        # The copy's embedding and LM head are separate tensors (a tied target's included) and train apart: the LM
+        # head adapts to layer-N states without moving the input embeddings. Say so, so the saved folder loads untied.
+        model.config.tie_word_embeddings = False
+        model.config.get_text_config().tie_word_embeddings = False
     elif init.startswith(CONFIG_PREFIX):
         config = AutoConfig.from_pretrained(init[len(CONFIG_PREFIX):])
         model = AutoModelForCausalLM.from_config(config)

@@ -284,7 +284,7 @@ def train(cfg: TrainConfig) -> Path:
         model = accelerator.unwrap_model(head)
         objective.save(model, final, target=target, tokenizer=tokenizer, target_name=cfg.target,
                        config=objective.final_config(model, last_eval_extra[0]), metadata={"eval": _last_eval(out)})
-        log.info("saved the %s drafter to %s", objective.kind, final)
+        log.info("saved the %s recipe's drafter to %s", objective.name, final)
         if cfg.measure_prompts:
             emit({"step": step, **measured_tau(cfg, objective, target, tokenizer, eval_ds, final)})
     accelerator.wait_for_everyone()
