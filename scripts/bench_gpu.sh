@@ -30,7 +30,7 @@ pack() {
     if [[ -e "$dir" ]] && [[ -n "$(ls -A "$dir")" ]]; then die "$dir is not empty; pass a new folder"; fi
     local stage; stage="$(mktemp -d)"
     mkdir -p "$stage/wheels" "$stage/site" "$stage/heads"
-    "$python" -m pip wheel -q --no-deps --no-build-isolation -w "$stage/wheels" "$here" >/dev/null
+    "$python" -m pip wheel -q --no-deps -w "$stage/wheels" "$here" >/dev/null
     local gguf_version; gguf_version="$("$python" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
     "$python" -m pip download -q --no-deps "gguf==$gguf_version" -d "$stage/wheels" >/dev/null \
         || die "could not fetch the gguf $gguf_version wheel from the package index"
