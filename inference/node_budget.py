@@ -133,6 +133,11 @@ def node_budget(target: PreTrainedModel, choice: str | None) -> NodeBudget | Non
     return NodeBudget(verify_cost(target)) if (choice or NODE_BUDGETS[0]) == "auto" else None
 
 
+def with_node_budget(proposer: Proposer, budget: NodeBudget | None) -> Proposer:
+    """`proposer` with its trees pruned by `budget` (as it is without one)."""
+    return proposer if budget is None else WithNodeBudget(proposer, budget)
+
+
 class WithNodeBudget:
     """`inner`'s trees pruned by `budget`."""
 

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from specheads.hf import decoder_of
 from specheads.inference.proposers.draft_model import EARLY_EXIT, check_same_vocabulary, early_exit_model
-from specheads.train.divergence import DIVERGENCES, check_divergence, token_divergence
+from specheads.train.divergence import DIVERGENCES, check_divergence, token_divergence, token_divergences
 from specheads.train.features import batch_features
 from specheads.train.objective import Objective, register_objective
 
@@ -165,7 +165,7 @@ def distill_eval(drafter: nn.Module, target: nn.Module, batch: dict[str, torch.T
                  settings: DistillSettings | None = None) -> dict[str, torch.Tensor]:
     """Sums over the batch: every divergence (so runs with different objectives compare), argmax agreement, positions."""
     target_logits, draft_logits = _scored(target, drafter, batch)
-    sums = {f"div_{name}": token_divergence(name, target_logits, draft_logits).sum().cpu() for name in DIVERGENCES}
+    sums = {f"div_{name}": d.sum().cpu() for name, d in token_divergences(DIVERGENCES, target_logits, draft_logits).items()}
     sums["agree"] = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float().sum().cpu()
     sums["positions"] = torch.tensor(float(target_logits.shape[0]))
     return sums

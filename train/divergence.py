@@ -44,9 +44,25 @@ def token_divergence(
     temperature: float = 1.0,
     beta: float = 0.5,  # jsd only: the weight of the target's side
 ) -> torch.Tensor:  # [...] the divergence at every position, fp32
-    check_divergence(name, beta, temperature)
+    return token_divergences((name,), target_logits, draft_logits, temperature=temperature, beta=beta)[name]
+
+
+def token_divergences(
+    names: tuple[str, ...],
+    target_logits: torch.Tensor,  # [..., V]
+    draft_logits: torch.Tensor,  # [..., V]
+    *,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> dict[str, torch.Tensor]:  # {name: [...]}: several divergences from one pair of log-softmaxes
+    for name in names:
+        check_divergence(name, beta, temperature)
     log_p = F.log_softmax(target_logits.detach().float() / temperature, dim=-1)
     log_q = F.log_softmax(draft_logits.float() / temperature, dim=-1)
+    return {name: _divergence(name, log_p, log_q, beta) for name in names}
+
+
+def _divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
     if name == "forward_kl":
         return _kl(log_p, log_q)
     if name == "reverse_kl":

@@ -39,7 +39,7 @@ from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype, quantize_linears
+from specheads.int8 import quantize_linears
 
 
 @dataclass(frozen=True)
@@ -235,12 +235,9 @@ class EagleOptions(HeadsOptions):
     total_tokens: int | None = option("tree size including the root")
     min_expected_accepted: float | None = option("take a plain step when the draft expects fewer accepted tokens "
                                                  "(CPU: try 0.7)")
-    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
-
     def __post_init__(self) -> None:
         super().__post_init__()
         eagle_tree(self.tree)  # a bad name fails before anything loads
-        check_draft_dtype(self.draft_dtype)
 
 
 def tree_proposer(target, options: EagleOptions, kind: str,

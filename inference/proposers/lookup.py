@@ -25,14 +25,15 @@ from specheads.inference.methods import option
 from specheads.inference.node_budget import (
     NODE_BUDGET_HELP,
     NodeBudget,
-    WithNodeBudget,
     check_node_budget,
     node_budget,
+    with_node_budget,
 )
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
+from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype
 
 # One continuation of up to 8 tokens, from the longest n-gram (3 down to 1) that matches. On the 2-core CPU
 # this gave the most speed: deeper or more continuations raised τ further but cost more in the verify forward.
@@ -72,9 +73,11 @@ class HeadsOptions:
     lookup: int | None = option(f"prompt-lookup continuations grafted onto the heads' tree (default "
                                 f"{DEFAULT_LOOKUP.num_candidates}; 0 = the heads alone)")
     node_budget: str | None = option(NODE_BUDGET_HELP)
+    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
 
     def __post_init__(self) -> None:
         check_node_budget(self.node_budget)
+        check_draft_dtype(self.draft_dtype)
         if self.lookup is not None and self.lookup < 0:
             raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
                              f"off), got {self.lookup}")
@@ -89,9 +92,7 @@ def with_heads_options(proposer: Proposer, target: PreTrainedModel, options: Hea
                        budget: NodeBudget | None = None) -> Proposer:
     """`proposer` with prompt lookup grafted on and its trees pruned to the node budget, as `options` say
     (`budget`: one the proposer already consults while drafting)."""
-    proposer = with_lookup(proposer, options.lookup)
-    budget = budget or node_budget(target, options.node_budget)
-    return proposer if budget is None else WithNodeBudget(proposer, budget)
+    return with_node_budget(with_lookup(proposer, options.lookup), budget or node_budget(target, options.node_budget))
 
 
 def with_lookup(proposer: Proposer, num_candidates: int | None) -> Proposer:

@@ -24,7 +24,7 @@ from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype, quantize_linears
+from specheads.int8 import quantize_linears
 from specheads.trees import (
     TYPICAL_ACCURACIES,
     Tree,
@@ -156,11 +156,8 @@ class MedusaOptions(HeadsOptions):
     tree: str | None = option(f"preset ({', '.join(MEDUSA_TREES)}) or a YAML/JSON file of paths (default: the "
                               f"tree stored with the heads, else {DEFAULT_TREE})")
     depth: int | None = option("prune the tree to this many levels")
-    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_draft_dtype(self.draft_dtype)
         if self.tree is not None:
             resolve_tree(self.tree, MEDUSA_TREES)  # a bad name or file fails before anything loads
         if self.depth is not None and self.depth < 1:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specheads.inference.methods import Method, option, register_method
-from specheads.inference.node_budget import NODE_BUDGET_HELP, WithNodeBudget, check_node_budget, node_budget
+from specheads.inference.node_budget import NODE_BUDGET_HELP, check_node_budget, node_budget, with_node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -36,17 +36,13 @@ class NgramConfig:
             raise ValueError("num_candidates, depth and max_nodes must all be >= 1")
 
 
-def find_continuations(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> list[list[int]]:
-    """Distinct continuations of the context's last n-gram, longest n first, most recent match first.
+def find_matches(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> list[tuple[int, list[int]]]:
+    """Distinct continuations of the context's last n-gram, longest n first, most recent match first, each with
+    the length n of the n-gram it continues.
 
     tokens [T] long (CPU). A continuation is up to `depth` tokens that followed an
     earlier occurrence of the last n tokens.
     """
-    return [cont for _, cont in find_matches(tokens, cfg, depth)]
-
-
-def find_matches(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> list[tuple[int, list[int]]]:
-    """`find_continuations`, each with the length n of the n-gram it continues."""
     total = tokens.shape[0]
     found: list[tuple[int, list[int]]] = []
     seen: set[tuple[int, ...]] = set()
@@ -90,10 +86,6 @@ class HitRates:
                 return
             self.hits[ngram, d] += 1
 
-
-def build_trie(root: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:
-    """Merge continuations into a tree under `root`, in order, up to max_nodes draft nodes."""
-    return DraftTree.root_only(root).graft(continuations, max_nodes)
 
 
 class NgramProposer:
@@ -143,8 +135,7 @@ class NgramOptions:
 def _build(target, options: NgramOptions, load_draft) -> Proposer:
     given = {"depth": options.depth, "num_candidates": options.width}
     proposer = NgramProposer(replace(NgramConfig(), **{k: v for k, v in given.items() if v is not None}))
-    budget = node_budget(target, options.node_budget)
-    return proposer if budget is None else WithNodeBudget(proposer, budget)
+    return with_node_budget(proposer, node_budget(target, options.node_budget))
 
 
 register_method(Method(

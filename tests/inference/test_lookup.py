@@ -15,7 +15,7 @@ from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.eagle import EagleProposer
 from specheads.inference.proposers.lookup import DEFAULT_LOOKUP, WithPromptLookup
 from specheads.inference.proposers.medusa import MEDUSA_TREES, MedusaProposer
-from specheads.inference.proposers.ngram import find_continuations
+from specheads.inference.proposers.ngram import find_matches
 from tests.conftest import random_eagle_head, repetitive_prompt, start_proposer, tiny_model
 from tests.inference.test_medusa_proposer import random_heads
 
@@ -36,7 +36,7 @@ def test_the_lookup_path_is_grafted_onto_the_heads_tree(target):
     both = WithPromptLookup(EagleProposer(head))
     ctx = start_proposer(both, target, prompt)
     tree = both.propose(ctx)
-    (cont,) = find_continuations(ctx.tokens, DEFAULT_LOOKUP, DEFAULT_LOOKUP.depth)
+    ((_, cont),) = find_matches(ctx.tokens, DEFAULT_LOOKUP, DEFAULT_LOOKUP.depth)
     assert cont == [13, 14, 15, 20, 21, 22, 10, 11][: DEFAULT_LOOKUP.depth]
     n = alone_tree.size
     assert torch.equal(tree.tokens[:n], alone_tree.tokens) and torch.equal(tree.parents[:n], alone_tree.parents)

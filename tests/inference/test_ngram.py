@@ -3,8 +3,9 @@ from __future__ import annotations
 import torch
 
 from specheads.inference.proposers.base import ProposalContext
-from specheads.inference.proposers.ngram import NgramConfig, NgramProposer, build_trie, find_continuations
+from specheads.inference.proposers.ngram import NgramConfig, NgramProposer, find_matches
 from specheads.inference.sampling import SamplingParams
+from specheads.inference.tree import DraftTree
 
 
 def ctx(tokens: list[int], max_depth: int = 10) -> ProposalContext:
@@ -15,7 +16,7 @@ def ctx(tokens: list[int], max_depth: int = 10) -> ProposalContext:
 def test_continuations_longest_ngram_and_most_recent_first():
     #          0  1  2  3  4  5  6  7  8  9 10 11 12
     tokens = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3]
-    conts = find_continuations(torch.tensor(tokens), NgramConfig(max_ngram=2, min_ngram=1, num_candidates=3, depth=2), 2)
+    conts = [c for _, c in find_matches(torch.tensor(tokens), NgramConfig(max_ngram=2, min_ngram=1, num_candidates=3, depth=2), 2)]
     # "2 3" occurs at 1 and 6: most recent first -> [7, 8] then [9, 9]; then the 1-gram "3" adds nothing new.
     assert conts == [[7, 8], [9, 9]]
 
@@ -26,10 +27,10 @@ def test_no_match_gives_a_plain_step():
 
 
 def test_trie_merges_shared_prefixes_and_respects_budget():
-    tree = build_trie(7, [[1, 2, 3], [1, 2, 4], [5]], max_nodes=10)
+    tree = DraftTree.root_only(7).graft([[1, 2, 3], [1, 2, 4], [5]], max_new_nodes=10)
     assert tree.tokens.tolist() == [7, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 1, 2, 2, 0]
-    small = build_trie(7, [[1, 2, 3], [1, 2, 4], [5]], max_nodes=3)
+    small = DraftTree.root_only(7).graft([[1, 2, 3], [1, 2, 4], [5]], max_new_nodes=3)
     assert small.num_drafted == 3
 
 
