@@ -96,6 +96,7 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        OBJECTIVES.get(self.recipe).check(self.heads, self)
 
 
 def load_train_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:

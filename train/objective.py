@@ -28,6 +28,10 @@ def _no_aux_layers(settings: Any, num_target_layers: int) -> tuple[int, ...]:
     return ()
 
 
+def _no_check(settings: Any, train_config: Any) -> None:
+    pass
+
+
 def save_heads(module: nn.Module, folder: Path, *, target: nn.Module, tokenizer: Any, target_name: str, config: Any,
                metadata: dict[str, Any]) -> None:
     """The kind's heads checkpoint (`specheads.heads.checkpoint`): what heads recipes save as final/."""
@@ -57,6 +61,8 @@ class Objective:
     # (module, folder, *, target, tokenizer, target_name, config, metadata) -> None: writes final/
     save: Callable[..., None] = save_heads
     section: str = "heads"  # the YAML section of `settings` (`drafter:` for standalone draft models)
+    # (settings, the whole TrainConfig) -> None, or ValueError naming the fix: what the settings need of the rest
+    check: Callable[[Any, Any], None] = _no_check
 
     @property
     def trains_heads(self) -> bool:

@@ -3,8 +3,8 @@
     accelerate launch -m specheads.train configs/eagle-smollm2-cpu.yaml [key=value ...]
 
 Works the same on one CPU process, `torchrun`/`accelerate launch` with several
-processes (DDP, or DeepSpeed/FSDP through the accelerate config), and one or
-many GPUs. The run directory holds the resolved config, `metrics.jsonl`,
+processes (DDP, or DeepSpeed ZeRO-2 through the accelerate config: docs/scale-out.md),
+and one or many GPUs. The run directory holds the resolved config, `metrics.jsonl`,
 `checkpoints/step_N/` (Accelerate state + trainer state) and `final/` (the heads).
 """
 
@@ -37,6 +37,7 @@ from specheads.train.data import (
     tokenize_dataset,
 )
 from specheads.train.feature_cache import FeatureCache, collate_with_features, write_feature_cache
+from specheads.train.launch_check import check_launch
 from specheads.train.objective import OBJECTIVES, Objective
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,11 @@ def train(cfg: TrainConfig) -> Path:
         log_with="wandb" if cfg.report_to == "wandb" else None,
         project_dir=cfg.output_dir,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # The LR schedule counts optimizer steps whatever the process count (accelerate would otherwise step it once
+        # per process and step), so it runs as configured and a checkpoint resumes under another process count.
+        step_scheduler_with_optimizer=False,
     )
+    check_launch(accelerator, cfg)
     set_seed(cfg.seed)
     out = Path(cfg.output_dir)
     resume_from = latest_checkpoint(out) if cfg.resume else None
@@ -252,7 +257,8 @@ def train(cfg: TrainConfig) -> Path:
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad()
             batches_done += 1
             tokens_seen += int(batch["attention_mask"].sum())

@@ -23,6 +23,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specheads.inference.cache import TreeKVCache, cache_kwargs
 from specheads.inference.methods import DraftLoader, Method, option, register_method
 from specheads.inference.proposers.base import ProposalContext
+from specheads.inference.proposers.parallel_draft import (
+    ParallelDraftProposer,
+    check_parallel_vocabulary,
+    parallel_spec,
+)
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype, quantize_linears
@@ -176,9 +181,12 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     return draft.to(next(target.parameters()).device).eval().requires_grad_(False)
 
 
-def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer) -> None:
-    """A draft must map token ids to the same strings as the target, or its guesses mean nothing."""
-    check_vocab_size(draft, vocab_size(target))
+def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer,
+                          sizes: bool = True) -> None:
+    """A draft must map token ids to the same strings as the target, or its guesses mean nothing (`sizes=False`:
+    the tokenizers only, for a parallel drafter whose LM head has a placeholder row more)."""
+    if sizes:
+        check_vocab_size(draft, vocab_size(target))
     if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "
                          "use a draft model from the target's family")
@@ -191,8 +199,9 @@ EARLY_EXIT = "early-exit:"
 class DraftOptions:
     draft: str | None = option("draft model (HF id or folder) with the target's vocabulary, or early-exit:N "
                                "(the target's first N layers)")
-    depth: int | None = option(f"draft tokens per branch (default {DraftConfig.depth})")
-    width: int | None = option(f"branches at the root (default {DraftConfig.width}: a chain)")
+    depth: int | None = option(f"draft tokens per branch (default {DraftConfig.depth}; a parallel drafter: its K)")
+    width: int | None = option(f"branches at the root (default {DraftConfig.width}: a chain); a parallel drafter: "
+                               "alternatives at every depth")
     draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
 
     def __post_init__(self) -> None:
@@ -201,18 +210,26 @@ class DraftOptions:
             raise ValueError(f"--draft {self.draft}: N must be a layer count, e.g. early-exit:8")
 
 
-def _build(target: PreTrainedModel, options: DraftOptions, load_draft: DraftLoader | None) -> DraftModelProposer:
+def _build(target: PreTrainedModel, options: DraftOptions,
+           load_draft: DraftLoader | None) -> DraftModelProposer | ParallelDraftProposer:
     if options.draft.startswith(EARLY_EXIT):
         model = early_exit_model(target, int(options.draft[len(EARLY_EXIT):]))
     else:
         if load_draft is None:
             raise ValueError("method 'draft' needs a draft model loader to load " + options.draft)
         model = load_draft(options.draft)
-    cfg = DraftConfig(depth=options.depth or DraftConfig.depth, width=options.width or DraftConfig.width)
-    check_vocab_size(model, vocab_size(target))  # before int8: an Int8Linear LM head has no weight to count rows of
+    spec = parallel_spec(model.config)
+    # Vocabulary checks come before int8: an Int8Linear LM head has no weight to count rows of.
+    if spec is not None:
+        check_parallel_vocabulary(model, spec, vocab_size(target))
+    else:
+        check_vocab_size(model, vocab_size(target))
     if options.draft_dtype == "int8":
         model = int8_draft(model)
-    return DraftModelProposer(model, cfg)
+    if spec is not None:
+        return ParallelDraftProposer(model, spec, depth=options.depth, width=options.width or 1)
+    return DraftModelProposer(model, DraftConfig(depth=options.depth or DraftConfig.depth,
+                                                 width=options.width or DraftConfig.width))
 
 
 def int8_draft(model: PreTrainedModel) -> PreTrainedModel:
@@ -225,6 +242,7 @@ def int8_draft(model: PreTrainedModel) -> PreTrainedModel:
 
 
 register_method(Method(
-    name="draft", summary="a smaller causal LM (or the target's first N layers) drafts a chain or a top-k tree",
+    name="draft", summary="a smaller causal LM (or the target's first N layers) drafts a chain or a top-k tree; a "
+                          "parallel drafter drafts its K tokens in one forward",
     options=DraftOptions, build=_build, arg="draft", arg_hint="PATH or early-exit:N",
 ))

@@ -67,20 +67,23 @@ def test_final_is_a_plain_model_folder_that_drafts_exactly(tiny_run_inputs, tmp_
     assert res.output_ids == plain.output_ids and res.stats.drafted > 0
 
 
-def test_lora_trains_adapters_only_and_final_holds_them_merged(tiny_run_inputs, tmp_path):
+@pytest.mark.parametrize("parallel_k", [1, 3], ids=["chain", "parallel"])
+def test_lora_trains_adapters_only_and_final_holds_them_merged(tiny_run_inputs, tmp_path, parallel_k):
     from specheads.target import load_target
     from specheads.train.distill import DistillSettings, Drafter, LoraSettings, build_drafter, save_distilled
 
     target, tokenizer = load_target(str(tiny_run_inputs[0]))
-    drafter = build_drafter(DistillSettings(init="early-exit:1", lora=LoraSettings(r=4, target_modules=("q_proj", "up_proj"))),
-                            target)
+    drafter = build_drafter(DistillSettings(init="early-exit:1", parallel_k=parallel_k,
+                                            lora=LoraSettings(r=4, target_modules=("q_proj", "up_proj"))), target)
     trainable = [n for n, p in drafter.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
+    # A parallel drafter also trains its placeholder's embedding row (and only that row), which starts untrained.
+    assert trainable and all("lora_" in n or (parallel_k > 1 and "trainable_tokens" in n) for n in trainable)
+    assert (parallel_k > 1) == any("trainable_tokens" in n for n in trainable)
     with torch.no_grad():  # adapters start as a no-op (B = 0): give them an update to merge
         for n, p in drafter.named_parameters():
-            if "lora_B" in n:
+            if "lora_B" in n or "trainable_tokens_delta" in n:
                 p.normal_(std=0.2)
-    ids = torch.tensor([[1, 5, 9, 12, 2, 1, 20, 23]])
+    ids = torch.tensor([[1, 5, 9, 12, 2, 1, 20, 23, 96, 96]])[:, : 8 + 2 * (parallel_k > 1)]  # 96: the placeholder
     keep = torch.ones_like(ids, dtype=torch.bool)
     drafter.eval()
     with torch.no_grad():
@@ -88,7 +91,7 @@ def test_lora_trains_adapters_only_and_final_holds_them_merged(tiny_run_inputs, 
     save_distilled(drafter, tmp_path / "final", target=target, tokenizer=tokenizer, target_name="tiny", config=None,
                    metadata={})
     assert not (tmp_path / "final" / "adapter_config.json").exists()
-    merged = Drafter(AutoModelForCausalLM.from_pretrained(tmp_path / "final")).eval()
+    merged = Drafter(AutoModelForCausalLM.from_pretrained(tmp_path / "final"), vocab=96).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids, torch.ones_like(ids), keep), unmerged, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"target_modules \['qkv'\] are not linear layers of the drafter; its linear "
@@ -115,9 +118,67 @@ def yaml_section(out: Path) -> dict:
     (["heads.num_layers=1"], "takes its settings under 'drafter:', not 'heads:'"),
     (["init_heads=runs/x/final"], "init_heads applies to heads recipes; the distill recipe starts from its drafter.init"),
     (["drafter.beta=1.5"], r"beta must be in \(0, 1\)"),
+    (["drafter.parallel_k=0"], r"drafter.parallel_k must be >= 1 \(1: an ordinary drafter\), got 0"),
+    (["drafter.parallel_k=96"], r"drafter.parallel_k=96 does not fit the training context \(data.max_length=96\)"),
+    (["drafter.on_policy_fraction=1.5"], r"drafter.on_policy_fraction must be in \[0, 1\]"),
+    (["drafter.on_policy_fraction=0.5", "features=offline"], "on_policy_fraction needs features: online"),
+    (["drafter.cod_keep_rate=0"], r"drafter.cod_keep_rate must be in \(0, 1\]"),
 ])
 def test_bad_settings_fail_with_one_line(tiny_run_inputs, tmp_path, capsys, extra, message):
     assert train_main(distill_args(tiny_run_inputs, tmp_path / "bad", *extra)) == 2
     err = capsys.readouterr().err
     assert message in err or __import__("re").search(message, err), err
     assert not (tmp_path / "bad").exists()  # nothing half-written
+
+
+def test_a_parallel_run_saves_a_parallel_drafter_that_decodes_exactly(tiny_run_inputs, tmp_path):
+    from specheads.inference import Engine
+    from specheads.inference.methods import METHODS, make_proposer
+    from specheads.inference.proposers import AutoregressiveProposer
+    from specheads.inference.proposers.parallel_draft import ParallelDraftProposer
+    from specheads.target import load_target
+
+    out = tmp_path / "parallel"
+    assert train_main(distill_args(tiny_run_inputs, out, "drafter.parallel_k=3", "max_steps=8", "eval_every=8",
+                                   "save_every=8", "measure_prompts=2")) == 0
+    final = out / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["specheads_parallel"] == {"k": 3, "mask_token_id": 96} and config["vocab_size"] == 97
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/tv" in r]
+    assert all(0 <= evals[-1][f"eval/top1_step{j}"] <= 1 for j in (1, 2, 3)) and "eval/top1_step4" not in evals[-1]
+    assert rows[-1]["eval/measured_prompts"] == 2  # decoded through the parallel proposer
+
+    target, _ = load_target(str(tiny_run_inputs[0]))
+    proposer = make_proposer("draft", target, METHODS.get("draft").make_options({"draft": str(final)}),
+                             lambda path: load_target(path)[0])
+    assert isinstance(proposer, ParallelDraftProposer) and proposer.depth == 3
+    prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=24)
+    res = Engine(target, proposer).generate(prompt, max_new_tokens=24)
+    assert res.output_ids == plain.output_ids and res.stats.drafted > 0
+
+
+def test_on_policy_batches_are_the_drafters_own_continuations(tiny_run_inputs, tmp_path):
+    from specheads.target import load_target
+    from specheads.train.distill import DistillSettings, build_drafter, on_policy_batch
+
+    target, _ = load_target(str(tiny_run_inputs[0]))
+    drafter = build_drafter(DistillSettings(init="early-exit:1", parallel_k=2), target)
+    ids = torch.tensor([[1, 5, 9, 12, 20, 23, 26, 0], [1, 7, 8, 30, 31, 0, 0, 0]])
+    attention = torch.tensor([[1] * 7 + [0], [1] * 5 + [0] * 3])
+    loss = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0]])  # row 1: no assistant token
+    torch.manual_seed(0)
+    new = on_policy_batch(drafter, {"input_ids": ids, "attention_mask": attention, "loss_mask": loss}, 6)
+    n = int(new["attention_mask"][0].sum())
+    assert 4 <= n <= 9 and torch.equal(new["input_ids"][0, :3], ids[0, :3])  # the prompt, then up to 6 sampled tokens
+    assert new["loss_mask"][0, :n].tolist() == [0, 0, 0] + [1] * (n - 3)
+    assert (new["input_ids"][0, :n] != 96).all()  # the placeholder is never sampled
+    assert torch.equal(new["input_ids"][1, :5], ids[1, :5]) and new["loss_mask"][1].sum() == 0  # kept as it was
+    assert drafter.training  # back in training mode
+
+    out = tmp_path / "on-policy"
+    assert train_main(distill_args(tiny_run_inputs, out, "drafter.on_policy_fraction=1", "drafter.on_policy_max_new_tokens=8",
+                                   "max_steps=3", "eval_every=3", "save_every=3", "measure_prompts=0")) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["on_policy"] for r in steps if "loss" in r] == [1.0, 1.0, 1.0]

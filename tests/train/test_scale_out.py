@@ -1,0 +1,202 @@
+"""Training past one process with the shipped accelerate configs: the configs load, the launch check refuses
+settings that contradict the recipe, and 2 CPU processes (DDP, DeepSpeed ZeRO-2) train as 1 process does at the
+same global batch, with checkpoints that resume in 1 process.
+
+Why 2 processes x batch 2 must match 1 process x batch 4 here: with the seedable sampler every process draws the
+same seeded permutation and accelerate hands process p the p-th batch of each pair, so the two shards of a step
+are the single process's batch of 4, in order; every tiny conversation has the same number of loss positions, so
+the average of the two shard-mean gradients (DDP's all-reduce) is the single process's mean gradient. The runs
+compare by their final weights and final evaluation (summed over processes): the logged train loss is the main
+process's own shard's, not the global batch's.
+
+Tolerance: weights agree within 1e-5 (values ~0.1-1). The two runs differ only in the order of float32 sums;
+after 4 AdamW steps at lr 0.01 the largest difference measured was 7e-7. The errors the tests are for are
+>= 1e-3: DeepSpeed clipping at accelerate's default 1.0 instead of optim.max_grad_norm=0.01 moves weights by
+1.5e-3, and a wrong LR schedule, data order or gradient average by more.
+
+On CPU, the DDP runs launch the shipped multi_gpu_ddp.yaml with ACCELERATE_USE_CPU=true (gloo); `--cpu` would not
+do, as it starts a single process. The ZeRO-2 run launches the shipped deepspeed_zero2.yaml with DeepSpeed's CPU
+accelerator, through deepspeed_cpu.py (which says what it changes, and why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DistributedType
+from safetensors.torch import load_file
+
+from specheads.train.__main__ import main as train_main
+from specheads.train.config import OptimConfig, load_train_config
+from specheads.train.launch_check import check_deepspeed_config, check_launch
+from tests.conftest import base_args
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs" / "accelerate"
+DEEPSPEED_CPU = Path(__file__).with_name("deepspeed_cpu.py")
+# Every run: 4 AdamW steps large enough to move weights, clipping that binds (so a launch that clips differently
+# shows), 4 eval conversations (one batch of 2 per process: none repeated to even out the shards), no decoding, and
+# float32 on every CPU (auto would pick bf16 on CPUs with native bf16, where rounding, not the launch, would differ).
+RUN = ("max_steps=4", "save_every=2", "eval_every=100", "measure_prompts=0", "optim.lr=0.01", "optim.warmup_steps=1",
+       "optim.max_grad_norm=0.01", "data.max_eval_conversations=4", "mixed_precision='no'")
+DISTILL = ("recipe=distill", "drafter.init=early-exit:2")
+
+
+def launch(config: Path, processes: int, program: list[str], *, deepspeed: bool = False) -> subprocess.CompletedProcess:
+    """`accelerate launch` (the real CLI) of `program` on CPU processes, as a user would run it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    # DDP on CPU: accelerate's CPU mode (gloo). DeepSpeed: its own CPU accelerator (gloo, see deepspeed_cpu.py).
+    env |= {"DS_ACCELERATOR": "cpu"} if deepspeed else {"ACCELERATE_USE_CPU": "true"}
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                           "--num_processes", str(processes), "--main_process_port", "0", *program],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def final_eval(out: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if any(k.startswith("eval/") for k in r)][-1]
+
+
+@pytest.fixture(scope="module")
+def eagle_one_process(tiny_run_inputs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eagle-one") / "run"
+    assert train_main(base_args(tiny_run_inputs, out, *RUN, "optim.batch_size=4")) == 0
+    return out
+
+
+# --- the shipped configs and the launch check ---------------------------------------------------------------------
+
+
+def test_shipped_accelerate_configs_load_and_begin_with_their_command():
+    shipped = {p.name: p for p in CONFIGS.glob("*.yaml")}
+    assert set(shipped) == {"single_gpu.yaml", "multi_gpu_ddp.yaml", "deepspeed_zero2.yaml"}
+    for name, path in shipped.items():
+        config = load_config_from_file(str(path))  # accelerate's own loader: unknown keys are refused
+        first = path.read_text().splitlines()[0]
+        assert first.startswith(f"# accelerate launch --config_file configs/accelerate/{name} -m specheads.train "), name
+        load_train_config(REPO / first.split()[-1], [])  # the recipe it names exists
+        if config.distributed_type == DistributedType.DEEPSPEED:  # the recipe's settings are left to the recipe
+            assert not {"gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file"} & set(
+                config.deepspeed_config), name
+            assert config.deepspeed_config["zero_stage"] == 2
+
+
+@pytest.mark.parametrize(("ds_config", "message"), [
+    ({"optimizer": {"type": "AdamW"}}, "defines 'optimizer', but the recipe builds its own .*remove the 'optimizer'"),
+    ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
+    ({"train_micro_batch_size_per_gpu": 8}, r"train_micro_batch_size_per_gpu=8, but the recipe's optim.batch_size gives 2"),
+    ({"gradient_accumulation_steps": 1}, r"gradient_accumulation_steps=1, but the recipe's optim.grad_accum gives 4"),
+    ({"train_batch_size": 16}, r"train_batch_size=16, but the recipe's optim.batch_size x optim.grad_accum x 3 "
+                               r"processes gives 24"),
+    ({"gradient_clipping": 1.0}, r"gradient_clipping=1.0, but the recipe's optim.max_grad_norm gives 0.5; remove "
+                                 r"gradient_clipping from the accelerate config's deepspeed_config"),
+    ({"zero_optimization": {"stage": 3}}, "ZeRO-3 partitions .* the frozen target too.*deepspeed_zero2.yaml"),
+])
+def test_deepspeed_settings_that_contradict_the_recipe_are_refused(ds_config, message):
+    with pytest.raises(ValueError, match=message):
+        check_deepspeed_config(ds_config, OptimConfig(batch_size=2, grad_accum=4, max_grad_norm=0.5), num_processes=3)
+
+
+def test_deepspeed_settings_left_to_the_recipe_pass_and_clip_at_its_max_grad_norm():
+    optim = OptimConfig(batch_size=2, grad_accum=4, max_grad_norm=0.5)
+    for clipping in ({"gradient_clipping": "auto"}, {}):  # accelerate would fill "auto" with 1.0; absent = no clipping
+        ds_config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                     "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}, **clipping}
+        check_deepspeed_config(ds_config, optim, num_processes=3)
+        assert ds_config["gradient_clipping"] == 0.5
+    matching = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 24,
+                "gradient_clipping": 0.5}
+    check_deepspeed_config(matching, optim, num_processes=3)
+
+
+def test_launches_that_shard_the_drafter_or_override_accumulation_are_refused(tiny_run_inputs, tmp_path):
+    cfg = load_train_config(None, base_args(tiny_run_inputs, tmp_path / "run", "optim.grad_accum=2"))
+
+    def accelerator(distributed_type=DistributedType.MULTI_GPU, accumulation=2):
+        return SimpleNamespace(distributed_type=distributed_type, state=SimpleNamespace(deepspeed_plugin=None),
+                               num_processes=2, gradient_accumulation_steps=accumulation)
+
+    check_launch(accelerator(), cfg)
+    with pytest.raises(ValueError, match="FSDP shards the drafter's weights.*use configs/accelerate/deepspeed_zero2"):
+        check_launch(accelerator(DistributedType.FSDP), cfg)
+    with pytest.raises(ValueError, match="sets gradient accumulation to 8 .* optim.grad_accum is 2; unset it"):
+        check_launch(accelerator(accumulation=8), cfg)
+
+
+def test_a_launch_that_overrides_the_recipe_stops_before_writing(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    # What `accelerate launch --gradient_accumulation_steps 2` sets. Under a real DeepSpeed launch the check reads the
+    # launched config: the ZeRO-2 test below shows it (DeepSpeed clips at the value the check gives it).
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+    out = tmp_path / "run"
+    assert train_main(base_args(tiny_run_inputs, out)) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "specheads train: error: the launch sets gradient accumulation to 2 (ACCELERATE_GRADIENT_ACCUMULATION_STEPS), "
+        "but the recipe's optim.grad_accum is 1; unset it in the launch and set optim.grad_accum instead")
+    assert not out.exists()
+
+
+# --- 2 processes train as 1 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_train_eagle_as_one_and_their_checkpoint_resumes_in_one(tiny_run_inputs, tmp_path,
+                                                                                  eagle_one_process):
+    two = tmp_path / "two"
+    proc = launch(CONFIGS / "multi_gpu_ddp.yaml", 2,
+                  ["-m", "specheads.train", *base_args(tiny_run_inputs, two, *RUN, "optim.batch_size=2")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (two / "checkpoints" / "step_2" / "random_states_1.pkl").is_file()  # two processes ran
+    assert_same_weights(eagle_one_process, two)
+    assert final_eval(two) == pytest.approx(final_eval(eagle_one_process), abs=1e-6)
+
+    # A run that stopped after the 2-process step-2 checkpoint, resumed by 1 process at the same global batch.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    shutil.copy(two / "config.yaml", resumed / "config.yaml")
+    assert train_main(base_args(tiny_run_inputs, resumed, *RUN, "optim.batch_size=4", "resume=true")) == 0
+    assert (resumed / "final" / "config.json").is_file()
+    assert_same_weights(eagle_one_process, resumed)  # same data position and LR schedule as the unbroken run
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_train_distill_as_one(tiny_run_inputs, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train_main(base_args(tiny_run_inputs, one, *RUN, *DISTILL, "optim.batch_size=4")) == 0
+    proc = launch(CONFIGS / "multi_gpu_ddp.yaml", 2,
+                  ["-m", "specheads.train", *base_args(tiny_run_inputs, two, *RUN, *DISTILL, "optim.batch_size=2")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_weights(one, two)
+    assert final_eval(two) == pytest.approx(final_eval(one), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_deepspeed_zero2_processes_train_eagle_as_one(tiny_run_inputs, tmp_path, eagle_one_process):
+    pytest.importorskip("deepspeed")  # the train extra
+    two = tmp_path / "zero2"
+    proc = launch(CONFIGS / "deepspeed_zero2.yaml", 2,
+                  [str(DEEPSPEED_CPU), *base_args(tiny_run_inputs, two, *RUN, "optim.batch_size=2")], deepspeed=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A DeepSpeed checkpoint, its optimizer state in one shard per process: DeepSpeed ran, over 2 processes.
+    assert (two / "checkpoints" / "step_4" / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    # DeepSpeed clipped at optim.max_grad_norm (0.01), where it would otherwise use 1.0 (module docstring)
+    assert_same_weights(eagle_one_process, two)
