@@ -29,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 from specheads.inference.engine import Engine
 from specheads.inference.methods import METHODS, DraftLoader, make_proposer
 from specheads.inference.proposers.base import Proposer
+from specheads.inference.proposers.parallel_draft import parallel_spec
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.questions import Question
@@ -202,7 +203,12 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
         if spec.method == "hf":
             runners[spec.name] = _HFGenerate(target)
         elif spec.method == "hf-assisted":
-            runners[spec.name] = _HFGenerate(target, assistant=load_draft(spec.arg))
+            assistant = load_draft(spec.arg)
+            if parallel_spec(assistant.config) is not None:
+                raise ValueError(f"hf-assisted:{spec.arg} is a parallel drafter (a placeholder token past the target's "
+                                 f"vocabulary, K tokens per forward), which transformers' assisted generation cannot "
+                                 f"drive; bench it as draft:{spec.arg}")
+            runners[spec.name] = _HFGenerate(target, assistant=assistant)
         elif spec.method == "hf-pld":
             runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
         else:
@@ -299,6 +305,7 @@ class MethodSummary:
     acceptance_rate: float | None  # accepted / drafted over all steps; None when nothing was drafted
     accept_per_position: list[float] | None  # [i]: share of all steps accepting >= i+1 tokens
     ttft_s: float | None  # median; None where not measured
+    draft_ms_per_step: float | None = None  # time in the proposer per target forward; None for HF baselines
     exact_matches: str = ""  # "k/n" outputs equal to ar's, greedy runs only
 
 
@@ -318,7 +325,7 @@ def _summary(method: str, category: str, records: list[Record], methods: list[st
     wall = sum(r.stats.wall_s for r in rs)
     timed = [r.stats.ttft_s for r in rs if r.stats.ttft_s > 0]
     checked = [r for r in rs if r.matches_ar is not None]
-    tau = acceptance = per_position = None
+    tau = acceptance = per_position = draft_ms = None
     if rs and all(r.measures_tau for r in rs):
         tau = statistics.mean(r.stats.tau for r in rs)
         drafted = sum(r.stats.drafted for r in rs)
@@ -327,11 +334,12 @@ def _summary(method: str, category: str, records: list[Record], methods: list[st
         depth = max(len(r.stats.accepted_at_least) for r in rs)
         per_position = [sum(r.stats.accepted_at_least[i] for r in rs if i < len(r.stats.accepted_at_least)) / steps
                         for i in range(depth)] if steps else []
+        draft_ms = 1000 * sum(r.stats.draft_s for r in rs) / steps if steps else None
     return MethodSummary(
         method=method, category=category, generations=len(rs), new_tokens=tokens, wall_s=wall,
         tokens_per_s=tokens / wall if wall else 0.0, speedup_vs_ar=ratio("ar"), speedup_vs_hf=ratio("hf"),
         tau=tau, acceptance_rate=acceptance, accept_per_position=per_position,
-        ttft_s=statistics.median(timed) if timed else None,
+        ttft_s=statistics.median(timed) if timed else None, draft_ms_per_step=draft_ms,
         exact_matches=f"{sum(r.matches_ar for r in checked)}/{len(checked)}" if checked else "",
     )
 

@@ -37,7 +37,8 @@ def record_row(rec: Record) -> dict:
     """One results.jsonl row; τ and acceptance are null (not 0) for methods that cannot measure them."""
     stats = rec.stats.to_dict()
     if not rec.measures_tau:
-        stats.update(steps=None, drafted=None, accepted=None, tau=None, acceptance_rate=None, accept_per_position=None)
+        stats.update(steps=None, drafted=None, accepted=None, tau=None, acceptance_rate=None, accept_per_position=None,
+                     draft_s=None)
     if not stats["ttft_s"]:
         stats["ttft_s"] = None
     return {"question_id": rec.question_id, "category": rec.category, "turn": rec.turn, "method": rec.method,
@@ -51,14 +52,15 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def markdown_table(summaries: list[MethodSummary], *, with_category: bool = False) -> str:
     head = ["method", "tok/s", "speedup vs ar", "speedup vs hf", "τ", "acceptance rate", "accept ≥1/≥2/≥3",
-            "TTFT s", "greedy == ar"]
+            "draft ms/step", "TTFT s", "greedy == ar"]
     if with_category:
         head = ["category", *head]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         curve = "-" if not s.accept_per_position else "/".join(f"{x:.2f}" for x in s.accept_per_position[:3])
         cells = [s.method, f"{s.tokens_per_s:.2f}", _fmt(s.speedup_vs_ar), _fmt(s.speedup_vs_hf), _fmt(s.tau),
-                 _fmt(s.acceptance_rate), curve, _fmt(s.ttft_s, ".3f"), s.exact_matches or "-"]
+                 _fmt(s.acceptance_rate), curve, _fmt(s.draft_ms_per_step, ".1f"), _fmt(s.ttft_s, ".3f"),
+                 s.exact_matches or "-"]
         if with_category:
             cells = [s.category, *cells]
         lines.append("| " + " | ".join(cells) + " |")
@@ -226,7 +228,7 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
                      dir=os.environ.get("WANDB_DIR") or (str(run_dir) if run_dir is not None else None))
     try:
         cols = ["category", "method", "generations", "tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "tau",
-                "acceptance_rate", "ttft_s", "exact_matches"]
+                "acceptance_rate", "draft_ms_per_step", "ttft_s", "exact_matches"]
         summary = wandb.Table(columns=cols, data=[[getattr(s, c) for c in cols]
                                                   for s in [*report.overall, *report.by_category]])
         rows = [record_row(r) for r in records]
@@ -252,7 +254,8 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
                 log[f"bench/plot_{path.stem}"] = wandb.Image(str(path))
         run.log(log)
         for s in report.overall:
-            for metric in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "tau", "acceptance_rate", "ttft_s"):
+            for metric in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "tau", "acceptance_rate",
+                           "draft_ms_per_step", "ttft_s"):
                 if getattr(s, metric) is not None:
                     run.summary[f"{metric}/{_key(s.method)}"] = getattr(s, metric)
         run.summary["mismatches"] = len(report.mismatches)

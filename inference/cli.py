@@ -41,6 +41,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     _add_weight_layout(p)
     _add_fp32_head(p)
+    _add_adapter(p)
     p.add_argument("--output", type=Path, help="write one JSON object per answer to this JSONL file")
     p.set_defaults(func=_run_generate)
 
@@ -57,13 +58,31 @@ def _add_fp32_head(p: argparse.ArgumentParser) -> None:
                         "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per position)")
 
 
+def _draft_loader(model, tokenizer, args: argparse.Namespace):
+    """Loads a draft model (`draft:PATH`, `hf-assisted:PATH`) beside the target, refusing another vocabulary."""
+    from specheads.inference.proposers.draft_model import check_same_vocabulary
+    from specheads.target import load_target
+
+    def load_draft(name: str):
+        draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype, weight_layout=args.weight_layout)
+        check_same_vocabulary(model, tokenizer, draft, draft_tok)
+        return draft
+
+    return load_draft
+
+
+def _add_adapter(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", metavar="DIR",
+                   help="verify against the target with this LoRA adapter merged in (a medusa2 run's final/adapter): "
+                        "greedy output then equals plain greedy decoding of the adapted target, not the original one")
+
+
 def _run_generate(args: argparse.Namespace) -> None:
     # Heavy imports after argument parsing, so `--help` and usage errors are instant.
     from tqdm import tqdm
 
     from specheads.inference.engine import Engine
     from specheads.inference.methods import make_proposer
-    from specheads.inference.proposers.draft_model import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, render_chat, stop_token_ids
@@ -87,13 +106,9 @@ def _run_generate(args: argparse.Namespace) -> None:
         out_file = args.output.open("w", encoding="utf-8")  # fail now, not after minutes of generation
 
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
-                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head)
+                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
 
-    def load_draft(name: str):
-        draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype, weight_layout=args.weight_layout)
-        check_same_vocabulary(model, tokenizer, draft, draft_tok)
-        return draft
-
+    load_draft = _draft_loader(model, tokenizer, args)
     engine = Engine(model, make_proposer(args.method, model, options, load_draft))
     stops = stop_token_ids(tokenizer, model)
 
@@ -187,6 +202,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     _add_weight_layout(p)
     _add_fp32_head(p)
+    _add_adapter(p)
     p.add_argument("--output", type=Path,
                    help="directory for results.jsonl, summary.json, summary.md, config.json and PNG plots")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots (then matplotlib is not needed)")
@@ -220,7 +236,6 @@ def _run_bench(args: argparse.Namespace) -> None:
     from specheads.inference import bench_report
     from specheads.inference.bench import build_runners, mark_exactness, parse_methods, run_bench
     from specheads.inference.divergence import attach_margins
-    from specheads.inference.proposers.draft_model import check_same_vocabulary
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, stop_token_ids
@@ -250,19 +265,15 @@ def _run_bench(args: argparse.Namespace) -> None:
               "num_questions": len(questions), "turns": args.turns, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
               "warmup": args.warmup, "device": args.device, "dtype": args.dtype,
-              "weight_layout": args.weight_layout, "fp32_head": args.fp32_head,
+              "weight_layout": args.weight_layout, "fp32_head": args.fp32_head, "adapter": args.adapter,
               "started": datetime.datetime.now().isoformat(timespec="seconds"),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
-                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head)
+                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
 
-    def load_draft(name: str):
-        draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype, weight_layout=args.weight_layout)
-        check_same_vocabulary(model, tokenizer, draft, draft_tok)
-        return draft
-
+    load_draft = _draft_loader(model, tokenizer, args)
     runners = build_runners(model, specs, load_draft)
 
     # 3. Run, appending each finished generation to results.jsonl as it comes (rewritten with exactness marks at the end).
@@ -294,7 +305,8 @@ def _run_bench(args: argparse.Namespace) -> None:
         mark_exactness(records)
         if any(r.matches_ar is False for r in records):
             reference = model if model.dtype == torch.float32 else load_target(
-                args.target, device=args.device, dtype="float32", weight_layout=args.weight_layout)[0]
+                args.target, device=args.device, dtype="float32", weight_layout=args.weight_layout,
+                adapter=args.adapter)[0]
             attach_margins(records, reference)
     report = bench_report.build_report(records, greedy=sampling.greedy, config=config)
     print(bench_report.markdown_table(report.overall))

@@ -200,9 +200,11 @@ class Engine:
                 on_tokens(new)
             if stats.finish_reason:
                 break
+            drafting = time.perf_counter()
             self.proposer.on_verified(result, hidden)
             ctx = context()
             tree = self.proposer.propose(ctx).truncated(ctx.max_depth)
+            stats.draft_s += time.perf_counter() - drafting
             prefix = cache.seq_length
             out = tree_forward(self.model, cache, tree, output_hidden_states=needs_hidden)
             hidden = out.hidden_states if needs_hidden else None

@@ -13,6 +13,7 @@ class GenerationStats:
     accepted: int = 0  # draft tokens accepted, over all steps
     accepted_at_least: list[int] = field(default_factory=list)  # [i]: steps that accepted >= i+1 tokens
     wall_s: float = 0.0
+    draft_s: float = 0.0  # time in the proposer (propose and on_verified), within wall_s
     ttft_s: float = 0.0
     finish_reason: str = ""  # "stop" (a stop token), "length" (max_new_tokens) or "context" (model's max length)
 
@@ -53,6 +54,7 @@ class GenerationStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "accept_per_position": [round(x, 4) for x in self.accept_per_position],
             "wall_s": round(self.wall_s, 4),
+            "draft_s": round(self.draft_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "ttft_s": round(self.ttft_s, 4),
             "finish_reason": self.finish_reason,

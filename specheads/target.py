@@ -231,18 +231,24 @@ def parse_dtype(value: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 def load_target(
     name: str, *, device: str = "cpu", dtype: str | torch.dtype = "auto", weight_layout: str = "row",
-    fp32_head: bool = False,
+    fp32_head: bool = False, adapter: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the frozen target and its tokenizer, in eval mode with gradients off.
 
     `weight_layout` (see `gemm_layout.py`): "auto" stores linear weights column-major where that makes
     the few-row GEMMs of tree verification faster (fp32 on CPU); the default keeps them as loaded.
     `fp32_head` (see `fp32_head.py`): a bf16/fp16 target computes its final norm and LM head in fp32.
+    `adapter` (see `adapter.py`): a LoRA adapter folder merged into the weights, so the target loaded is the adapted
+    one (a plain model; the output stays exact with respect to it).
     """
     device = parse_device(device)
     torch_dtype = parse_dtype(dtype, device)
     layout = resolve_layout(weight_layout, device, torch_dtype)  # a bad name fails before loading
     path = resolve_target(name)
+    if adapter is not None:
+        from specheads.adapter import check_adapter_folder
+
+        check_adapter_folder(adapter)  # a wrong folder fails before the model loads
     tokenizer = AutoTokenizer.from_pretrained(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
@@ -250,7 +256,12 @@ def load_target(
         # Some architectures have no SDPA path; eager attention is slower but universal.
         logger.warning("SDPA attention unavailable for %s (%s); falling back to eager", name, err)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="eager")
-    model = set_linear_layout(model.to(device).eval(), layout)
+    model = model.to(device).eval()
+    if adapter is not None:  # merged before the layout change and the fp32 head, which wrap or restride the weights
+        from specheads.adapter import merged_adapter
+
+        model = merged_adapter(model, adapter)
+    model = set_linear_layout(model, layout)
     if fp32_head:
         model = with_fp32_head(model)
     model.requires_grad_(False)

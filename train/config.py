@@ -79,8 +79,10 @@ class TrainConfig:
             raise TypeError(f"the {self.recipe} recipe takes heads settings of type {settings.__name__}, "
                             f"got {type(self.heads).__name__}")
         if self.init_heads and not OBJECTIVES.get(self.recipe).trains_heads:
-            raise ValueError(f"init_heads applies to heads recipes; the {self.recipe} recipe starts from its "
-                             f"{OBJECTIVES.get(self.recipe).section}.init (e.g. a previous run's final/)")
+            section = OBJECTIVES.get(self.recipe).section
+            start = (f"starts from its {section}.init (e.g. a previous run's final/)" if hasattr(self.heads, "init")
+                     else "trains more than a heads checkpoint holds; drop init_heads")
+            raise ValueError(f"init_heads applies to heads recipes; the {self.recipe} recipe {start}")
         if self.output_dir is None:
             object.__setattr__(self, "output_dir", f"runs/{self.recipe}")
         if self.max_steps < 1:

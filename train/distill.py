@@ -36,12 +36,12 @@ from specheads.inference.proposers.draft_model import (
 )
 from specheads.inference.proposers.parallel_draft import (
     ParallelSpec,
-    check_parallel_vocabulary,
     mark_parallel,
     parallel_spec,
 )
 from specheads.train.divergence import DIVERGENCES, check_divergence, token_divergence, token_divergences
 from specheads.train.features import batch_features
+from specheads.train.lora import LoraSettings, with_lora
 from specheads.train.objective import Objective, register_objective
 from specheads.train.parallel_layout import parallel_layout
 
@@ -49,24 +49,6 @@ RECIPE = "distill"
 CONFIG_PREFIX = "config:"
 CHAIN_DEPTH = 4  # the draft chain the simulated τ assumes (the `draft` method's default depth)
 META_FILE = "specheads_distill.json"  # beside the HF files in final/: what the drafter was distilled from
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """`drafter.lora:` train low-rank adapters on a pretrained drafter instead of all its weights (peft); the
-    saved drafter has them merged, so it loads as a plain model."""
-
-    r: int = 16  # adapter rank
-    alpha: int = 32  # scaling: the update is (alpha / r) B A
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # names of the drafter's linear layers
-
-    def __post_init__(self) -> None:
-        if self.r < 1 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"drafter.lora needs r >= 1, alpha > 0 and 0 <= dropout < 1, got r={self.r}, "
-                             f"alpha={self.alpha}, dropout={self.dropout}")
-        if not self.target_modules:
-            raise ValueError("drafter.lora.target_modules is empty; name linear layers, e.g. [q_proj, v_proj]")
 
 
 @dataclass(frozen=True)
@@ -166,19 +148,13 @@ def build_drafter(settings: DistillSettings, target: PreTrainedModel, draft_voca
             draft_tokenizer = AutoTokenizer.from_pretrained(init)
         except (OSError, ValueError):
             draft_tokenizer = None
-        spec = parallel_spec(model.config)
-        if spec is not None:  # a parallel drafter trained before: its vocabulary is the target's plus the placeholder
-            check_parallel_vocabulary(model, spec, vocab_size(target))
-            if draft_tokenizer is not None and (target_tokenizer := _target_tokenizer(target)) is not None:
-                check_same_vocabulary(target, target_tokenizer, model, draft_tokenizer, sizes=False)
-        else:
-            check_same_vocabulary(target, _target_tokenizer(target), model, draft_tokenizer)
+        check_same_vocabulary(target, _target_tokenizer(target), model, draft_tokenizer)
     model = model.float().to(next(target.parameters()).device).train().requires_grad_(True)
     vocab = vocab_size(target)
     if settings.parallel_k > 1 or parallel_spec(model.config) is not None:
         with_placeholder(model, ParallelSpec(k=settings.parallel_k, mask_token_id=vocab))
     if settings.lora is not None:
-        model = with_lora(model, settings.lora)
+        model = with_drafter_lora(model, settings.lora)
     return Drafter(model, vocab)
 
 
@@ -190,21 +166,10 @@ def with_placeholder(model: PreTrainedModel, spec: ParallelSpec) -> None:
     mark_parallel(model.config, spec)
 
 
-def with_lora(model: PreTrainedModel, lora: LoraSettings) -> nn.Module:
-    """`model` with LoRA adapters on `lora.target_modules`; only the adapters train (and a parallel drafter's
-    placeholder embedding row, which starts untrained)."""
-    from peft import LoraConfig, get_peft_model
-
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    unknown = [m for m in lora.target_modules if m not in linear]
-    if unknown:
-        raise ValueError(f"drafter.lora.target_modules {unknown} are not linear layers of the drafter; its linear "
-                         f"layers are: {', '.join(sorted(linear))}")
+def with_drafter_lora(model: PreTrainedModel, lora: LoraSettings) -> nn.Module:
+    """`model` with LoRA adapters; a parallel drafter's placeholder embedding row, which starts untrained, trains too."""
     spec = parallel_spec(model.config)
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
-                        trainable_token_indices=None if spec is None else [spec.mask_token_id])
-    return get_peft_model(model, config)
+    return with_lora(model, lora, trainable_token_indices=None if spec is None else [spec.mask_token_id])
 
 
 def _inner(drafter: nn.Module) -> Drafter:

@@ -44,7 +44,7 @@ def build_medusa(settings: MedusaHeadsConfig, target: torch.nn.Module,
 
 
 @torch.no_grad()
-def _features_and_labels(target: torch.nn.Module, batch: dict[str, torch.Tensor]):
+def features_and_labels(target: torch.nn.Module, batch: dict[str, torch.Tensor]):
     """Features [B, T, H] and labels [B, T] where labels[j] is the target's greedy choice for token j.
 
     Training on the target's own argmax (self-distillation on the teacher-forced text) teaches the
@@ -58,7 +58,7 @@ def _features_and_labels(target: torch.nn.Module, batch: dict[str, torch.Tensor]
 
 def medusa_step_loss(heads: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
                      settings: MedusaHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    features, labels = _features_and_labels(target, batch)
+    features, labels = features_and_labels(target, batch)
     mask = batch["loss_mask"] * batch["attention_mask"]
     draft_ids = extract_model_from_parallel(heads).draft_ids  # DDP hides the heads' own attributes
     loss, accs = medusa_loss(heads(features), labels, mask, decay=settings.decay, draft_ids=draft_ids)
@@ -68,8 +68,17 @@ def medusa_step_loss(heads: torch.nn.Module, target: torch.nn.Module, batch: dic
 @torch.no_grad()
 def medusa_eval(heads: MedusaHeads, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums: hits[k, i] = positions where head k's i-th choice is the target's choice; positions[k]."""
-    features, labels = _features_and_labels(target, batch)
-    mask = (batch["loss_mask"] * batch["attention_mask"]).bool()
+    features, labels = features_and_labels(target, batch)
+    hits, positions = head_hits(heads, features, labels, batch["loss_mask"] * batch["attention_mask"])
+    return {"hits": hits, "positions": positions}
+
+
+@torch.no_grad()
+def head_hits(heads: MedusaHeads, features: torch.Tensor, labels: torch.Tensor,
+              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hits [K, EVAL_TOPK], positions [K]) of the heads on `features` [B, T, H] against `labels` [B, T], counting
+    the positions whose token has `mask` [B, T] set."""
+    mask = mask.bool()
     logits = heads(features)  # [K, B, T, V]
     num_heads, _, length, _ = logits.shape
     hits = torch.zeros(num_heads, EVAL_TOPK)
@@ -83,7 +92,7 @@ def medusa_eval(heads: MedusaHeads, target: torch.nn.Module, batch: dict[str, to
         gold = labels[:, shift:][keep]
         hits[k] += (top == gold[:, None]).float().sum(0).cpu()
         positions[k] += gold.numel()
-    return {"hits": hits, "positions": positions}
+    return hits, positions
 
 
 def medusa_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], list[list[float]]]:

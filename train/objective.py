@@ -32,6 +32,11 @@ def _no_check(settings: Any, train_config: Any) -> None:
     pass
 
 
+def one_group(module: nn.Module, lr: float, settings: Any) -> list[dict[str, Any]]:
+    """Every trainable parameter of `module` at the run's learning rate."""
+    return [{"params": [p for p in module.parameters() if p.requires_grad], "lr": lr}]
+
+
 def save_heads(module: nn.Module, folder: Path, *, target: nn.Module, tokenizer: Any, target_name: str, config: Any,
                metadata: dict[str, Any]) -> None:
     """The kind's heads checkpoint (`specheads.heads.checkpoint`): what heads recipes save as final/."""
@@ -63,6 +68,9 @@ class Objective:
     section: str = "heads"  # the YAML section of `settings` (`drafter:` for standalone draft models)
     # (settings, the whole TrainConfig) -> None, or ValueError naming the fix: what the settings need of the rest
     check: Callable[[Any, Any], None] = _no_check
+    # (module, optim.lr, settings) -> the optimizer's parameter groups (torch.optim dicts; each group's "lr" is its
+    # peak, which the schedule scales alike): how parts of the module train at different rates
+    param_groups: Callable[[nn.Module, float, Any], list[dict[str, Any]]] = one_group
 
     @property
     def trains_heads(self) -> bool:

@@ -198,7 +198,7 @@ def train(cfg: TrainConfig) -> Path:
     head = objective.build(cfg.heads, target, draft_vocab)
     if cfg.init_heads and resume_from is None:
         init_from_heads(head, cfg.init_heads, objective.kind, target, cfg.target)
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.optim.lr,
+    optimizer = torch.optim.AdamW(objective.param_groups(head, cfg.optim.lr, cfg.heads), lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
     head, optimizer, loader, eval_loader, scheduler = accelerator.prepare(head, optimizer, loader, eval_loader, scheduler)
@@ -246,7 +246,7 @@ def train(cfg: TrainConfig) -> Path:
 
     head.train()
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
-    tokens_seen, window_start, last = 0, time.perf_counter(), {}
+    tokens_seen, window_start = 0, time.perf_counter()
     while step < cfg.max_steps:
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
@@ -266,11 +266,15 @@ def train(cfg: TrainConfig) -> Path:
                 continue
             step += 1
             bar.update(1)
-            last = {"step": step, "loss": float(loss.detach()), **stats, "lr": scheduler.get_last_lr()[0]}
             if step % cfg.log_every == 0 or step == cfg.max_steps:
+                # The step's loss and statistics over every process's share of the batch (each process's mean,
+                # averaged), not the first process's alone; every process reaches this line at the same step.
+                local = torch.tensor([float(loss.detach()), *stats.values()], device=accelerator.device)
+                mean = accelerator.reduce(local, reduction="mean").tolist()
+                row = {"step": step, **dict(zip(["loss", *stats], mean)), "lr": scheduler.get_last_lr()[0]}
                 elapsed = time.perf_counter() - window_start
-                emit({**last, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9), "epoch": epoch})
-                bar.set_postfix(loss=f"{last['loss']:.3f}", top1=f"{stats['top1']:.2f}")
+                emit({**row, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9), "epoch": epoch})
+                bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}")
                 tokens_seen, window_start = 0, time.perf_counter()
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
                 emit({"step": step, **evaluate()})

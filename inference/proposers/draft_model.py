@@ -181,11 +181,13 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     return draft.to(next(target.parameters()).device).eval().requires_grad_(False)
 
 
-def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer,
-                          sizes: bool = True) -> None:
-    """A draft must map token ids to the same strings as the target, or its guesses mean nothing (`sizes=False`:
-    the tokenizers only, for a parallel drafter whose LM head has a placeholder row more)."""
-    if sizes:
+def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer) -> None:
+    """A draft must map token ids to the same strings as the target, or its guesses mean nothing; a parallel
+    drafter's LM head has the target's rows plus its placeholder's."""
+    spec = parallel_spec(draft.config)
+    if spec is not None:  # a parallel drafter: one placeholder row past the target's vocabulary
+        check_parallel_vocabulary(draft, spec, vocab_size(target))
+    else:
         check_vocab_size(draft, vocab_size(target))
     if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "

@@ -93,8 +93,14 @@ def test_training_free_methods_run_and_report(tiny_model_dir, questions_file, tm
             assert s["tau"] is None and s["acceptance_rate"] is None and s["accept_per_position"] is None
             assert all(r["stats"]["tau"] is None for r in mine)
             assert 0 < s["ttft_s"] < max(r["stats"]["wall_s"] for r in mine)  # measured by a streamer
+            assert s["draft_ms_per_step"] is None and all(r["stats"]["draft_s"] is None for r in mine)
         else:
             assert s["tau"] == pytest.approx(statistics.mean(r["stats"]["tau"] for r in mine), abs=1e-3)
+            # Time in the proposer per target forward, within each generation's wall time.
+            assert all(0 <= r["stats"]["draft_s"] < r["stats"]["wall_s"] for r in mine)
+            steps = sum(r["stats"]["steps"] for r in mine)
+            assert s["draft_ms_per_step"] == pytest.approx(1000 * sum(r["stats"]["draft_s"] for r in mine) / steps,
+                                                           rel=1e-2, abs=1e-3)
         ar_tps = {(r["question_id"], r["turn"]): r["stats"]["tokens_per_s"] for r in rows if r["method"] == "ar"}
         ratios = [r["stats"]["tokens_per_s"] / ar_tps[r["question_id"], r["turn"]] for r in mine]
         assert s["speedup_vs_ar"] == pytest.approx(statistics.median(ratios), rel=1e-2)
@@ -102,6 +108,7 @@ def test_training_free_methods_run_and_report(tiny_model_dir, questions_file, tm
     # The target drafting for itself: every draft token accepted, several tokens per forward.
     self_draft = overall[f"draft:{tiny_model_dir}"]
     assert self_draft["acceptance_rate"] == 1.0 and self_draft["tau"] > 2 and self_draft["accept_per_position"][0] > 0.3
+    assert self_draft["draft_ms_per_step"] > overall["ar"]["draft_ms_per_step"]  # four draft forwards vs none
 
     per_cat = {(s["category"], s["method"]): s for s in summary if s["category"] != "all"}
     assert set(per_cat) == {(c, m) for c in ("writing", "coding") for m in methods}

@@ -124,3 +124,33 @@ def test_bad_parallel_settings_are_named(tmp_path):
         draft_proposer(bigger, folder)
     with pytest.raises(ValueError, match=r"drafter.parallel_k must be >= 1"):
         DistillSettings(parallel_k=0)
+
+
+def test_hf_assisted_refuses_a_parallel_drafter_by_name(tmp_path):
+    from specheads.inference.bench import build_runners, parse_methods
+
+    target = tiny_model("llama")
+    folder = saved_parallel_drafter(target, tmp_path / "parallel")
+    with pytest.raises(ValueError, match=r"is a parallel drafter .* bench it as draft:"):
+        build_runners(target, parse_methods(f"hf-assisted:{folder}"), AutoModelForCausalLM.from_pretrained)
+
+
+def test_the_cli_benches_a_saved_parallel_drafter_exactly(tiny_model_dir, tmp_path, capsys):
+    """`specheads bench` loads a parallel drafter folder (its vocabulary one placeholder row longer) as `draft:`."""
+    import json
+
+    from specheads.inference.cli import main
+    from tests.conftest import tiny_tokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    folder = saved_parallel_drafter(target, tmp_path / "parallel")
+    tiny_tokenizer().save_pretrained(folder)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"w{i} w{i + 3} w{i + 6}"]})
+                                 + "\n" for i in range(3)))
+    code = main(["bench", "--target", str(tiny_model_dir), "--methods", f"ar,draft:{folder}", "--questions",
+                 str(questions), "--max-new-tokens", "16", "--output", str(tmp_path / "bench"), "--no-plots"])
+    assert code == 0, capsys.readouterr().err
+    summary = {s["method"]: s for s in json.loads((tmp_path / "bench" / "summary.json").read_text())
+               if s["category"] == "all"}
+    assert summary[f"draft:{folder}"]["exact_matches"] == "3/3" and summary[f"draft:{folder}"]["tau"] >= 1.0

@@ -6,8 +6,8 @@ Why 2 processes x batch 2 must match 1 process x batch 4 here: with the seedable
 same seeded permutation and accelerate hands process p the p-th batch of each pair, so the two shards of a step
 are the single process's batch of 4, in order; every tiny conversation has the same number of loss positions, so
 the average of the two shard-mean gradients (DDP's all-reduce) is the single process's mean gradient. The runs
-compare by their final weights and final evaluation (summed over processes): the logged train loss is the main
-process's own shard's, not the global batch's.
+compare by their final weights, final evaluation (summed over processes) and logged train losses (each process's
+shard mean, averaged over processes: with equal loss positions per shard, the batch mean).
 
 Tolerance: weights agree within 1e-5 (values ~0.1-1). The two runs differ only in the order of float32 sums;
 after 4 AdamW steps at lr 0.01 the largest difference measured was 7e-7. The errors the tests are for are
@@ -70,6 +70,11 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def final_eval(out: Path) -> dict[str, float]:
@@ -187,6 +192,7 @@ def test_two_ddp_processes_train_distill_as_one(tiny_run_inputs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_weights(one, two)
     assert final_eval(two) == pytest.approx(final_eval(one), rel=1e-5)
+    assert train_losses(two) == pytest.approx(train_losses(one), rel=1e-5)  # the whole step's loss, not rank 0's
 
 
 @pytest.mark.slow
