@@ -467,3 +467,11 @@ def collate(examples: Sequence[Mapping[str, Any]], pad_id: int) -> dict[str, tor
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.as_tensor(example["loss_mask"], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def next_token_positions(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:  # [B, T] bool
+    """Positions whose next token is an assistant token (position t predicts token t + 1): where a drafter's
+    next-token distribution is compared with the target's."""
+    labelled = torch.zeros_like(batch["attention_mask"], dtype=torch.bool)
+    labelled[:, :-1] = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()
+    return labelled

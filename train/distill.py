@@ -39,6 +39,7 @@ from specheads.inference.proposers.parallel_draft import (
     mark_parallel,
     parallel_spec,
 )
+from specheads.train.data import next_token_positions
 from specheads.train.divergence import DIVERGENCES, check_divergence, token_divergence, token_divergences
 from specheads.train.features import batch_features
 from specheads.train.lora import LoraSettings, with_lora
@@ -181,8 +182,7 @@ def _scored(target: nn.Module, drafter: nn.Module, batch: dict[str, torch.Tensor
     """(target logits [M, V], drafter logits [M, V], draft offset [M]) at the M trained slots: positions whose
     next token is an assistant token (offset 0) and, for a parallel drafter, its placeholders (offset j: the
     token j + 1 ahead), COD-subsampled at `keep_rate`."""
-    labelled = torch.zeros_like(batch["attention_mask"], dtype=torch.bool)
-    labelled[:, :-1] = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()  # position t predicts token t + 1
+    labelled = next_token_positions(batch)
     with torch.no_grad():
         features = batch_features(target, batch)  # [B, T, H] the target's last hidden state
     spec = _inner(drafter).spec
@@ -247,8 +247,7 @@ def on_policy_batch(drafter: Drafter, batch: dict[str, torch.Tensor], max_new_to
 
 
 @torch.no_grad()
-def distill_eval(drafter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor],
-                 settings: DistillSettings | None = None) -> dict[str, torch.Tensor]:
+def distill_eval(drafter: nn.Module, target: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums over the batch: every divergence at the next token (so runs with different objectives compare), argmax
     agreement at each draft offset (a parallel drafter's placeholders too, without token dropping), positions."""
     target_logits, draft_logits, offset = _scored(target, drafter, batch)

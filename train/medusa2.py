@@ -38,6 +38,7 @@ from torch import nn
 from specheads.adapter import save_adapter
 from specheads.heads.medusa import KIND_NAME, MedusaHeads, medusa_loss
 from specheads.hf import decoder_of
+from specheads.train.data import next_token_positions
 from specheads.train.divergence import token_divergence
 from specheads.train.lora import LoraSettings, with_lora
 from specheads.train.medusa import (
@@ -158,13 +159,6 @@ def medusa2_param_groups(module: Medusa2Module, lr: float, settings: Medusa2Sett
             {"params": adapters, "lr": lr, "weight_decay": 0.0}]
 
 
-def _next_token_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:  # [B, T] bool
-    """Positions whose next token is an assistant token: where the next-token distributions are compared."""
-    labelled = torch.zeros_like(batch["attention_mask"], dtype=torch.bool)
-    labelled[:, :-1] = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()
-    return labelled
-
-
 def _self_distill_kl(lm_head: nn.Module, frozen: torch.Tensor, adapted: torch.Tensor,
                      labelled: torch.Tensor) -> torch.Tensor:  # [M] KL(frozen || adapted) per position, fp32
     with torch.no_grad():
@@ -184,7 +178,7 @@ def medusa2_step_loss(module: nn.Module, target: nn.Module, batch: dict[str, tor
     heads_loss, accs = medusa_loss(logits, labels, mask, decay=settings.decay, draft_ids=inner.heads.draft_ids)
     loss, kl = heads_loss + anchor, torch.zeros(())  # stage 1: the adapted target is the frozen one, the KL zero
     if joint:
-        per_token = _self_distill_kl(target.get_output_embeddings(), frozen, adapted, _next_token_positions(batch))
+        per_token = _self_distill_kl(target.get_output_embeddings(), frozen, adapted, next_token_positions(batch))
         kl = per_token.mean() if per_token.numel() else adapted.sum() * 0.0  # a batch without assistant tokens
         loss = loss + settings.distill_weight * kl
     if GradientState().sync_gradients:  # the last micro-batch of this optimizer step
@@ -204,7 +198,7 @@ def medusa2_eval(module: Medusa2Module, target: nn.Module, batch: dict[str, torc
     mask = batch["loss_mask"] * batch["attention_mask"]
     hits, positions = head_hits(module.heads, adapted, labels, mask)
     frozen_hits, _ = head_hits(module.heads, frozen, labels, mask)
-    kl = _self_distill_kl(target.get_output_embeddings(), frozen, adapted, _next_token_positions(batch))
+    kl = _self_distill_kl(target.get_output_embeddings(), frozen, adapted, next_token_positions(batch))
     return {"hits": hits, "positions": positions, "frozen_hits": frozen_hits, "kl": kl.sum().cpu().reshape(1),
             "kl_positions": torch.tensor([float(kl.numel())])}
 
