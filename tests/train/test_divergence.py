@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from specheads.train.divergence import DIVERGENCES, token_divergence
+from specheads.train import divergence
+from specheads.train.divergence import DIVERGENCES, token_divergence, token_divergences
 
 P = [0.5, 0.3, 0.2]  # the target's distribution
 Q = [0.2, 0.2, 0.6]  # the drafter's
@@ -57,6 +58,26 @@ def test_gradients_reach_the_drafter_only_and_lower_the_divergence(name):
         assert token_divergence(name, target, draft - 0.5 * draft.grad).mean() < loss
 
 
+@pytest.mark.parametrize("name", DIVERGENCES)
+@pytest.mark.parametrize(("temperature", "beta"), [(1.0, 0.5), (2.0, 0.2)])
+def test_the_fused_loss_has_the_formulas_values_and_gradients(name, temperature, beta, monkeypatch):
+    monkeypatch.setattr(divergence, "_BLOCK_ELEMENTS", 3 * 64)  # 3 rows a block: 28 rows cross block edges
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randn(4, 7, 64, generator=generator) * 3
+    if name != "reverse_kl":  # where the drafter says them, reverse KL is infinite (tested below)
+        target[0, 0, :5] = float("-inf")  # tokens the target never says
+    draft = (torch.randn(4, 7, 64, generator=generator) * 3).requires_grad_(True)
+    weights = torch.rand(4, 7, generator=generator)  # a non-uniform upstream gradient
+    (token_divergence(name, target, draft, temperature=temperature, beta=beta) * weights).sum().backward()
+    fused_grad, draft.grad = draft.grad, None
+    reference = token_divergences((name,), target, draft, temperature=temperature, beta=beta)[name]
+    (reference * weights).sum().backward()
+    fused = token_divergence(name, target, draft.detach(), temperature=temperature, beta=beta)
+    assert fused.shape == (4, 7) and fused.dtype == torch.float32
+    torch.testing.assert_close(fused, reference.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grad, draft.grad, rtol=1e-4, atol=1e-7)
+
+
 def test_bf16_logits_are_scored_in_fp32_and_impossible_tokens_give_no_nan():
     target = torch.tensor([[0.0, 1.0, float("-inf")]])  # the target never says token 2
     draft = torch.tensor([[0.5, 0.5, 0.0]], requires_grad=True)
@@ -66,7 +87,7 @@ def test_bf16_logits_are_scored_in_fp32_and_impossible_tokens_give_no_nan():
         assert name == "reverse_kl" or torch.isfinite(loss).all(), name  # reverse KL: see below
         if name == "forward_kl":
             loss.sum().backward()
-            assert torch.isfinite(draft.grad).all()
+            assert torch.isfinite(draft.grad).all() and draft.grad.dtype == torch.float32
     # The drafter putting mass where the target has none: infinite reverse KL, as the formula says.
     assert float(token_divergence("reverse_kl", target, draft.detach())) == math.inf
 
