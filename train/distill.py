@@ -96,6 +96,13 @@ def check_distill_config(settings: DistillSettings, cfg: Any) -> None:
                          "samples each step, which no cache holds)")
 
 
+def check_distill_partitioned(settings: DistillSettings) -> None:
+    if settings.on_policy_fraction > 0:
+        raise ValueError("on-policy steps sample a different number of tokens in each process, which DeepSpeed ZeRO-3 "
+                         "(collective weight gathering per layer) cannot follow; set drafter.on_policy_fraction: 0 or "
+                         "launch with configs/accelerate/deepspeed_zero2.yaml")
+
+
 class Drafter(nn.Module):
     """The draft model being distilled, returning logits only where the loss needs them (a [B, T, V] tensor
     at every position would dwarf the model on a 49k vocabulary), over the target's vocabulary."""
@@ -294,5 +301,5 @@ def save_distilled(drafter: nn.Module, folder: Path, *, target: nn.Module, token
 register_objective(Objective(
     name=RECIPE, kind="draft", settings=DistillSettings, build=build_drafter, step_loss=distill_step_loss,
     eval_sums=distill_eval, eval_row=distill_eval_row, final_config=lambda module, extra: None,
-    save=save_distilled, section="drafter", check=check_distill_config,
+    save=save_distilled, section="drafter", check=check_distill_config, check_partitioned=check_distill_partitioned,
 ))

@@ -6,9 +6,10 @@ both do, the launch's value silently wins (DeepSpeed accumulates and clips by it
 reads gradient accumulation from the launcher's environment): the run would train with settings its saved
 config.yaml does not show. So a launch that sets any of them differently is refused, naming the fix.
 
-Launches that shard parameters (ZeRO-3, FSDP) are refused too: the frozen target is loaded in every process
-outside `accelerator.prepare`, and the drafter is evaluated and saved whole by the main process, which
-neither sharding allows (ZeRO-3 even partitions the target as it loads).
+DeepSpeed ZeRO-3 partitions the trained model's parameters (`sharding.py`) where its objective allows it (a
+standalone draft model; heads share modules with the target and are small enough for ZeRO-2). FSDP is refused:
+the recipe's evaluation calls the trained model's own modules, outside the FSDP wrapper that gathers their sharded
+weights; ZeRO-3 (whose gathering hooks sit on every module) covers the same need.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from specheads.train.config import OptimConfig, TrainConfig
+from specheads.train.objective import Objective
 
 AUTO = "auto"  # a DeepSpeed-config value accelerate fills from the prepared objects
 SHARDING_FIX = "use configs/accelerate/deepspeed_zero2.yaml (shards the drafter's gradients and optimizer state) or multi_gpu_ddp.yaml"
+ZERO3_FIX = "configs/accelerate/deepspeed_zero3.yaml (for a distill recipe)"
 
 
 def check_deepspeed_config(ds_config: MutableMapping[str, Any], optim: OptimConfig, num_processes: int) -> None:
@@ -35,9 +38,6 @@ def check_deepspeed_config(ds_config: MutableMapping[str, Any], optim: OptimConf
         if section in ds_config:
             raise ValueError(f"the DeepSpeed config defines '{section}', but the recipe builds its own (AdamW with a "
                              f"cosine schedule, set in optim:); remove the '{section}' section from the DeepSpeed config")
-    if ds_config.get("zero_optimization", {}).get("stage") == 3:
-        raise ValueError("DeepSpeed ZeRO-3 partitions every model loaded after the launch, the frozen target too, "
-                         f"which the recipe runs outside DeepSpeed; {SHARDING_FIX}")
     expected = {
         "train_micro_batch_size_per_gpu": (optim.batch_size, "optim.batch_size"),
         "gradient_accumulation_steps": (optim.grad_accum, "optim.grad_accum"),
@@ -53,15 +53,25 @@ def check_deepspeed_config(ds_config: MutableMapping[str, Any], optim: OptimConf
     ds_config["gradient_clipping"] = optim.max_grad_norm
 
 
-def check_launch(accelerator: Accelerator, cfg: TrainConfig) -> None:
-    """Raise ValueError, naming the fix, if the launch overrides what the recipe's config sets or shards parameters
-    (see the module doc)."""
+def check_partitioned(objective: Objective, settings: object) -> None:
+    """Raise ValueError, naming the fix, if the objective's module cannot train partitioned (ZeRO-3)."""
+    if objective.check_partitioned is None:
+        raise ValueError(f"DeepSpeed ZeRO-3 partitions the trained model, but the {objective.name} recipe's heads share "
+                         f"the frozen target's modules, which stay whole; {SHARDING_FIX}")
+    objective.check_partitioned(settings)
+
+
+def check_launch(accelerator: Accelerator, cfg: TrainConfig, objective: Objective) -> None:
+    """Raise ValueError, naming the fix, if the launch overrides what the recipe's config sets or partitions what
+    cannot be (see the module doc)."""
     if accelerator.distributed_type == DistributedType.FSDP:
-        raise ValueError("FSDP shards the drafter's weights, but the recipe saves the drafter from the main process's "
-                         f"copy alone; {SHARDING_FIX}")
+        raise ValueError("FSDP is not supported: the recipe evaluates the trained model through its own modules, "
+                         f"outside the FSDP wrapper that gathers their weights; {SHARDING_FIX}, or {ZERO3_FIX}")
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         check_deepspeed_config(plugin.deepspeed_config, cfg.optim, accelerator.num_processes)
+        if plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
+            check_partitioned(objective, cfg.heads)
     if accelerator.gradient_accumulation_steps != cfg.optim.grad_accum:
         raise ValueError(f"the launch sets gradient accumulation to {accelerator.gradient_accumulation_steps} "
                          f"(ACCELERATE_GRADIENT_ACCUMULATION_STEPS), but the recipe's optim.grad_accum is "

@@ -71,6 +71,10 @@ class Objective:
     # (module, optim.lr, settings) -> the optimizer's parameter groups (torch.optim dicts; each group's "lr" is its
     # peak, which the schedule scales alike): how parts of the module train at different rates
     param_groups: Callable[[nn.Module, float, Any], list[dict[str, Any]]] = one_group
+    # (settings) -> None, or ValueError naming the fix: whether the module can train partitioned over the processes
+    # (DeepSpeed ZeRO-3, `sharding.py`). It must register no module it shares with the target (the target stays
+    # whole) and run the same forwards in every process (gathering a layer's weights is collective).
+    check_partitioned: Callable[[Any], None] | None = None
 
     @property
     def trains_heads(self) -> bool:

@@ -39,6 +39,7 @@ from specheads.train.data import (
 from specheads.train.feature_cache import FeatureCache, collate_with_features, write_feature_cache
 from specheads.train.launch_check import check_launch
 from specheads.train.objective import OBJECTIVES, Objective
+from specheads.train.sharding import keep_models_whole, whole_parameters
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,8 @@ def train(cfg: TrainConfig) -> Path:
         # per process and step), so it runs as configured and a checkpoint resumes under another process count.
         step_scheduler_with_optimizer=False,
     )
-    check_launch(accelerator, cfg)
+    check_launch(accelerator, cfg, objective)
+    keep_models_whole(accelerator)
     set_seed(cfg.seed)
     out = Path(cfg.output_dir)
     resume_from = latest_checkpoint(out) if cfg.resume else None
@@ -292,13 +294,14 @@ def train(cfg: TrainConfig) -> Path:
     final = out / "final"
     if not last_eval_extra:  # resumed at max_steps: the heads still need their measured accuracies
         emit({"step": step, **evaluate()})
-    if accelerator.is_main_process:
-        model = accelerator.unwrap_model(head)
-        objective.save(model, final, target=target, tokenizer=tokenizer, target_name=cfg.target,
-                       config=objective.final_config(model, last_eval_extra[0]), metadata={"eval": _last_eval(out)})
-        log.info("saved the %s recipe's drafter to %s", objective.name, final)
-        if cfg.measure_prompts:
-            emit({"step": step, **measured_tau(cfg, objective, target, tokenizer, eval_ds, final)})
+    with whole_parameters(accelerator, head):  # under ZeRO-3 each process holds a part: gathered to be saved
+        if accelerator.is_main_process:
+            model = accelerator.unwrap_model(head)
+            objective.save(model, final, target=target, tokenizer=tokenizer, target_name=cfg.target,
+                           config=objective.final_config(model, last_eval_extra[0]), metadata={"eval": _last_eval(out)})
+            log.info("saved the %s recipe's drafter to %s", objective.name, final)
+    if accelerator.is_main_process and cfg.measure_prompts:  # from final/, as a user loads it
+        emit({"step": step, **measured_tau(cfg, objective, target, tokenizer, eval_ds, final)})
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if metrics_file is not None:

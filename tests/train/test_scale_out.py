@@ -1,6 +1,6 @@
 """Training past one process with the shipped accelerate configs: the configs load, the launch check refuses
-settings that contradict the recipe, and 2 CPU processes (DDP, DeepSpeed ZeRO-2) train as 1 process does at the
-same global batch, with checkpoints that resume in 1 process.
+settings that contradict the recipe, and 2 CPU processes (DDP, DeepSpeed ZeRO-2, and ZeRO-3 for a draft model) train
+as 1 process does at the same global batch, with DDP checkpoints that resume in 1 process.
 
 Why 2 processes x batch 2 must match 1 process x batch 4 here: with the seedable sampler every process draws the
 same seeded permutation and accelerate hands process p the p-th batch of each pair, so the two shards of a step
@@ -15,8 +15,8 @@ after 4 AdamW steps at lr 0.01 the largest difference measured was 7e-7. The err
 1.5e-3, and a wrong LR schedule, data order or gradient average by more.
 
 On CPU, the DDP runs launch the shipped multi_gpu_ddp.yaml with ACCELERATE_USE_CPU=true (gloo); `--cpu` would not
-do, as it starts a single process. The ZeRO-2 run launches the shipped deepspeed_zero2.yaml with DeepSpeed's CPU
-accelerator, through deepspeed_cpu.py (which says what it changes, and why).
+do, as it starts a single process. The ZeRO runs launch the shipped deepspeed_zero2.yaml and deepspeed_zero3.yaml with
+DeepSpeed's CPU accelerator, through deepspeed_cpu.py (which says what it changes, and why).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 from specheads.train.__main__ import main as train_main
 from specheads.train.config import OptimConfig, load_train_config
 from specheads.train.launch_check import check_deepspeed_config, check_launch
+from specheads.train.objective import OBJECTIVES
 from tests.conftest import base_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ def eagle_one_process(tiny_run_inputs, tmp_path_factory) -> Path:
 
 def test_shipped_accelerate_configs_load_and_begin_with_their_command():
     shipped = {p.name: p for p in CONFIGS.glob("*.yaml")}
-    assert set(shipped) == {"single_gpu.yaml", "multi_gpu_ddp.yaml", "deepspeed_zero2.yaml"}
+    assert set(shipped) == {"single_gpu.yaml", "multi_gpu_ddp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"}
     for name, path in shipped.items():
         config = load_config_from_file(str(path))  # accelerate's own loader: unknown keys are refused
         first = path.read_text().splitlines()[0]
@@ -103,7 +104,7 @@ def test_shipped_accelerate_configs_load_and_begin_with_their_command():
         if config.distributed_type == DistributedType.DEEPSPEED:  # the recipe's settings are left to the recipe
             assert not {"gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file"} & set(
                 config.deepspeed_config), name
-            assert config.deepspeed_config["zero_stage"] == 2
+            assert config.deepspeed_config["zero_stage"] == int(name[len("deepspeed_zero")])
 
 
 @pytest.mark.parametrize(("ds_config", "message"), [
@@ -115,7 +116,6 @@ def test_shipped_accelerate_configs_load_and_begin_with_their_command():
                                r"processes gives 24"),
     ({"gradient_clipping": 1.0}, r"gradient_clipping=1.0, but the recipe's optim.max_grad_norm gives 0.5; remove "
                                  r"gradient_clipping from the accelerate config's deepspeed_config"),
-    ({"zero_optimization": {"stage": 3}}, "ZeRO-3 partitions .* the frozen target too.*deepspeed_zero2.yaml"),
 ])
 def test_deepspeed_settings_that_contradict_the_recipe_are_refused(ds_config, message):
     with pytest.raises(ValueError, match=message):
@@ -134,18 +134,32 @@ def test_deepspeed_settings_left_to_the_recipe_pass_and_clip_at_its_max_grad_nor
     check_deepspeed_config(matching, optim, num_processes=3)
 
 
-def test_launches_that_shard_the_drafter_or_override_accumulation_are_refused(tiny_run_inputs, tmp_path):
-    cfg = load_train_config(None, base_args(tiny_run_inputs, tmp_path / "run", "optim.grad_accum=2"))
+def test_launches_that_partition_what_cannot_be_or_override_accumulation_are_refused(tiny_run_inputs, tmp_path):
+    def config(*args):
+        return load_train_config(None, base_args(tiny_run_inputs, tmp_path / "run", "optim.grad_accum=2", *args))
 
-    def accelerator(distributed_type=DistributedType.MULTI_GPU, accumulation=2):
-        return SimpleNamespace(distributed_type=distributed_type, state=SimpleNamespace(deepspeed_plugin=None),
+    def accelerator(distributed_type=DistributedType.MULTI_GPU, accumulation=2, zero_stage=None):
+        plugin = None if zero_stage is None else SimpleNamespace(deepspeed_config={
+            "zero_optimization": {"stage": zero_stage}, "gradient_accumulation_steps": accumulation})
+        return SimpleNamespace(distributed_type=distributed_type, state=SimpleNamespace(deepspeed_plugin=plugin),
                                num_processes=2, gradient_accumulation_steps=accumulation)
 
-    check_launch(accelerator(), cfg)
-    with pytest.raises(ValueError, match="FSDP shards the drafter's weights.*use configs/accelerate/deepspeed_zero2"):
-        check_launch(accelerator(DistributedType.FSDP), cfg)
+    eagle, distill = config(), config(*DISTILL)
+    for cfg in (eagle, distill):
+        check_launch(accelerator(), cfg, OBJECTIVES.get(cfg.recipe))
+        check_launch(accelerator(zero_stage=2), cfg, OBJECTIVES.get(cfg.recipe))
+    check_launch(accelerator(zero_stage=3), distill, OBJECTIVES.get("distill"))
+    with pytest.raises(ValueError, match="ZeRO-3 partitions the trained model, but the eagle recipe's heads share "
+                                         "the frozen target's modules.*use configs/accelerate/deepspeed_zero2"):
+        check_launch(accelerator(zero_stage=3), eagle, OBJECTIVES.get("eagle"))
+    on_policy = config(*DISTILL, "drafter.on_policy_fraction=0.5")
+    with pytest.raises(ValueError, match="on-policy steps .* set drafter.on_policy_fraction: 0 or launch with "
+                                         "configs/accelerate/deepspeed_zero2.yaml"):
+        check_launch(accelerator(zero_stage=3), on_policy, OBJECTIVES.get("distill"))
+    with pytest.raises(ValueError, match="FSDP is not supported.*deepspeed_zero2.yaml .*deepspeed_zero3.yaml"):
+        check_launch(accelerator(DistributedType.FSDP), eagle, OBJECTIVES.get("eagle"))
     with pytest.raises(ValueError, match="sets gradient accumulation to 8 .* optim.grad_accum is 2; unset it"):
-        check_launch(accelerator(accumulation=8), cfg)
+        check_launch(accelerator(accumulation=8), eagle, OBJECTIVES.get("eagle"))
 
 
 def test_a_launch_that_overrides_the_recipe_stops_before_writing(tiny_run_inputs, tmp_path, monkeypatch, capsys):
@@ -183,10 +197,16 @@ def test_two_ddp_processes_train_eagle_as_one_and_their_checkpoint_resumes_in_on
     assert_same_weights(eagle_one_process, resumed)  # same data position and LR schedule as the unbroken run
 
 
+@pytest.fixture(scope="module")
+def distill_one_process(tiny_run_inputs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("distill-one") / "run"
+    assert train_main(base_args(tiny_run_inputs, out, *RUN, *DISTILL, "optim.batch_size=4")) == 0
+    return out
+
+
 @pytest.mark.slow
-def test_two_ddp_processes_train_distill_as_one(tiny_run_inputs, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert train_main(base_args(tiny_run_inputs, one, *RUN, *DISTILL, "optim.batch_size=4")) == 0
+def test_two_ddp_processes_train_distill_as_one(tiny_run_inputs, tmp_path, distill_one_process):
+    one, two = distill_one_process, tmp_path / "two"
     proc = launch(CONFIGS / "multi_gpu_ddp.yaml", 2,
                   ["-m", "specheads.train", *base_args(tiny_run_inputs, two, *RUN, *DISTILL, "optim.batch_size=2")])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -206,3 +226,19 @@ def test_two_deepspeed_zero2_processes_train_eagle_as_one(tiny_run_inputs, tmp_p
     assert (two / "checkpoints" / "step_4" / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
     # DeepSpeed clipped at optim.max_grad_norm (0.01), where it would otherwise use 1.0 (module docstring)
     assert_same_weights(eagle_one_process, two)
+
+
+@pytest.mark.slow
+def test_two_deepspeed_zero3_processes_train_a_draft_model_as_one(tiny_run_inputs, tmp_path, distill_one_process):
+    pytest.importorskip("deepspeed")
+    three = tmp_path / "zero3"
+    proc = launch(CONFIGS / "deepspeed_zero3.yaml", 2,
+                  [str(DEEPSPEED_CPU), *base_args(tiny_run_inputs, three, *RUN, *DISTILL, "optim.batch_size=2")],
+                  deepspeed=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The weights themselves partitioned, one part per process (ZeRO-2 writes them whole, once)
+    step = three / "checkpoints" / "step_4" / "pytorch_model"
+    assert {p.name for p in step.glob("*model_states.pt")} == {
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"}
+    assert_same_weights(distill_one_process, three)  # gathered whole into final/, a plain model folder
+    assert final_eval(three) == pytest.approx(final_eval(distill_one_process), rel=1e-5)
