@@ -15,13 +15,10 @@ from specheads.inference.methods import METHODS, flag, option_flags
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with a target and a proposer",
                        description="Generate with speculative decoding (greedy output equals plain greedy decoding).")
-    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
+    _add_target(p)
     p.add_argument("--method", default="ar", help="; ".join(f"{name}: {m.summary}" for name, m in METHODS.items())
                    + " (default ar)")
-    methods = p.add_argument_group("method options", "each applies to the methods named in its help; giving one "
-                                                     "that the chosen --method does not take is an error")
-    for opt in option_flags():
-        methods.add_argument(flag(opt.name), dest=opt.name, type=opt.type, help=opt.help)
+    _add_method_options(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the answer streams to stdout, stats go to stderr")
     src.add_argument("--questions", type=Path, help="Spec-Bench/MT-bench JSONL (question_id, category, turns)")
@@ -44,6 +41,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     _add_adapter(p)
     p.add_argument("--output", type=Path, help="write one JSON object per answer to this JSONL file")
     p.set_defaults(func=_run_generate)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
+
+
+def _add_method_options(p: argparse.ArgumentParser) -> None:
+    methods = p.add_argument_group("method options", "each applies to the methods named in its help; giving one "
+                                                     "that the chosen --method does not take is an error")
+    for opt in option_flags():
+        methods.add_argument(flag(opt.name), dest=opt.name, type=opt.type, help=opt.help)
 
 
 def _add_weight_layout(p: argparse.ArgumentParser) -> None:
@@ -178,7 +186,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        description="Run several methods over the same questions in one process, interleaved per "
                                    "question so machine drift hits all alike; write per-question results, overall "
                                    "and per-category tables, and plots.")
-    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct), an HF model id or a local folder")
+    _add_target(p)
     engine = [f"{name}:{m.arg_hint}" if m.arg else name for name, m in METHODS.items()]
     suffixes = [f"{name}:DIR@TREE ({', '.join(m.trees)})" for name, m in METHODS.items() if m.trees]
     suffixes += [f"{name}:DIR+lookup=N" for name, m in METHODS.items() if m.takes("lookup")]
@@ -332,6 +340,58 @@ def _run_bench(args: argparse.Namespace) -> None:
         raise KeyboardInterrupt
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve OpenAI-compatible completions and chat completions",
+                       description="An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+                                   "/health, /metrics) decoding with speculation; output is exact (greedy requests "
+                                   "equal plain greedy decoding). Requests are decoded one at a time, in arrival order.")
+    _add_target(p)
+    p.add_argument("--method", default="ar", help="the proposer, as in generate (default ar)")
+    _add_method_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECHEADS_API_KEY if set)")
+    p.add_argument("--model-name", help="the model name clients send (default: the --target value)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429 (default 64)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="the most new tokens one request may ask for (default 2048)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds from arrival (queueing included) after which a request ends with finish_reason "
+                        "'timeout' (default 600)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413 (default 1 MiB)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    _add_weight_layout(p)
+    _add_fp32_head(p)
+    _add_adapter(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    import os
+
+    import uvicorn
+
+    from specheads.inference.engine import Engine
+    from specheads.inference.methods import make_proposer
+    from specheads.inference.server import ServerSettings, build_server
+    from specheads.inference.service import ServiceLimits
+    from specheads.target import load_target, stop_token_ids
+
+    options = METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
+    limits = ServiceLimits(max_queue=args.max_queue, max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
+    settings = ServerSettings(model_name=args.model_name or args.target,
+                              api_key=args.api_key or os.environ.get("SPECHEADS_API_KEY") or None,
+                              max_body_bytes=args.max_body_bytes)
+    model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
+                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
+    engine = Engine(model, make_proposer(args.method, model, options, _draft_loader(model, tokenizer, args)))
+    app, service = build_server(engine, tokenizer, stop_token_ids(tokenizer, model), settings, limits)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        service.close()
+
+
 def _add_export(sub) -> None:
     from specheads.formats import export_formats
     from specheads.formats.export import HF_FORMAT
@@ -394,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     _add_generate(sub)
     _add_bench(sub)
+    _add_serve(sub)
     _add_export(sub)
     return parser
 

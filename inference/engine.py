@@ -109,15 +109,56 @@ def check_tree_attention(model: PreTrainedModel) -> None:
     _checked_models.add(model)
 
 
-class Engine:
-    """Speculative decoding for one HF causal LM target with one proposer (batch size 1)."""
+FallbackHandler = Callable[[str, Exception], None]  # (reason, error): told of each step that fell back
 
-    def __init__(self, model: PreTrainedModel, proposer: Proposer, *, max_context: int | None = None) -> None:
+
+def check_proposal(tree: DraftTree, ctx: ProposalContext, vocab_size: int) -> None:
+    """Raise ValueError if a proposer's tree cannot be verified as the next step: its root must be the last committed
+    token (a wrong root would be fed to the target as if committed) and every token an id of the target's vocabulary."""
+    if int(tree.tokens[0]) != int(ctx.tokens[-1]):
+        raise ValueError(f"the tree's root is token {int(tree.tokens[0])}, not the last committed token "
+                         f"{int(ctx.tokens[-1])}")
+    low, high = int(tree.tokens.min()), int(tree.tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"the tree holds token ids in [{low}, {high}], outside the target's vocabulary of {vocab_size}")
+
+
+class Engine:
+    """Speculative decoding for one HF causal LM target with one proposer (batch size 1).
+
+    With `fallback`, a proposer that raises or returns a tree `check_proposal` refuses makes that step a plain
+    (root-only) step, which is exact like any other, and `fallback` is told the reason; without it the error
+    propagates (benchmarks and tests want proposer bugs loud)."""
+
+    def __init__(self, model: PreTrainedModel, proposer: Proposer, *, max_context: int | None = None,
+                 fallback: FallbackHandler | None = None) -> None:
         self.model = model.eval()
         self.proposer = proposer
         self.device = model_device(model)
         self.max_context = max_context or model_max_context(model)
+        self.fallback = fallback
+        self.vocab_size = model.config.get_text_config().vocab_size
         check_tree_attention(model)
+
+    def _next_tree(self, ctx: ProposalContext, result, hidden: TargetHidden | None, stats: GenerationStats) -> DraftTree:
+        if self.fallback is None:
+            self.proposer.on_verified(result, hidden)
+            return self.proposer.propose(ctx).truncated(ctx.max_depth)
+        try:
+            self.proposer.on_verified(result, hidden)
+            tree = self.proposer.propose(ctx)
+        except Exception as err:  # noqa: BLE001 - whatever the proposer's failure, this step decodes plainly
+            return self._plain_step("proposer_error", err, ctx, stats)
+        try:
+            check_proposal(tree, ctx, self.vocab_size)
+        except ValueError as err:
+            return self._plain_step("malformed_tree", err, ctx, stats)
+        return tree.truncated(ctx.max_depth)
+
+    def _plain_step(self, reason: str, err: Exception, ctx: ProposalContext, stats: GenerationStats) -> DraftTree:
+        stats.fallbacks += 1
+        self.fallback(reason, err)
+        return DraftTree.root_only(ctx.tokens[-1])
 
     @torch.inference_mode()
     def generate(
@@ -128,8 +169,11 @@ class Engine:
         sampling: SamplingParams = SamplingParams(),
         stop_token_ids: Iterable[int] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
+        should_stop: Callable[[], str | None] | None = None,
     ) -> GenerationResult:
-        """Generate up to max_new_tokens after the prompt; `on_tokens` receives each step's new tokens.
+        """Generate up to max_new_tokens after the prompt; `on_tokens` receives each step's new tokens, and
+        `should_stop`, asked after each step, ends the generation with the finish reason it returns (e.g. a
+        timeout or a client gone).
 
         1. Prefill the whole prompt; its last token is the first (root-only) tree, so the prefill
            forward is step 1 and yields the first token.
@@ -198,12 +242,12 @@ class Engine:
                 stats.ttft_s = time.perf_counter() - start
             if on_tokens is not None:
                 on_tokens(new)
+            if not stats.finish_reason and should_stop is not None:
+                stats.finish_reason = should_stop() or ""
             if stats.finish_reason:
                 break
             drafting = time.perf_counter()
-            self.proposer.on_verified(result, hidden)
-            ctx = context()
-            tree = self.proposer.propose(ctx).truncated(ctx.max_depth)
+            tree = self._next_tree(context(), result, hidden, stats)
             stats.draft_s += time.perf_counter() - drafting
             prefix = cache.seq_length
             out = tree_forward(self.model, cache, tree, output_hidden_states=needs_hidden)

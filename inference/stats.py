@@ -9,16 +9,20 @@ from dataclasses import dataclass, field
 class GenerationStats:
     new_tokens: int = 0
     steps: int = 0  # target verify forwards (prefill excluded)
+    draft_steps: int = 0  # steps that verified at least one drafted token
     drafted: int = 0  # draft tokens proposed, over all steps
     accepted: int = 0  # draft tokens accepted, over all steps
     accepted_at_least: list[int] = field(default_factory=list)  # [i]: steps that accepted >= i+1 tokens
     wall_s: float = 0.0
     draft_s: float = 0.0  # time in the proposer (propose and on_verified), within wall_s
     ttft_s: float = 0.0
-    finish_reason: str = ""  # "stop" (a stop token), "length" (max_new_tokens) or "context" (model's max length)
+    finish_reason: str = ""  # "stop" (a stop token), "length" (max_new_tokens), "context" (model's max length), or
+    # what the caller's should_stop returned (e.g. "timeout")
+    fallbacks: int = 0  # steps decoded plainly because the proposer failed (engines with a fallback handler)
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
+        self.draft_steps += drafted > 0
         self.drafted += drafted
         self.accepted += accepted
         if accepted > len(self.accepted_at_least):
@@ -48,6 +52,7 @@ class GenerationStats:
         return {
             "new_tokens": self.new_tokens,
             "steps": self.steps,
+            "draft_steps": self.draft_steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "tau": round(self.tau, 4),
@@ -58,4 +63,5 @@ class GenerationStats:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "ttft_s": round(self.ttft_s, 4),
             "finish_reason": self.finish_reason,
+            "fallbacks": self.fallbacks,
         }

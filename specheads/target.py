@@ -278,7 +278,6 @@ def render_chat(
     Turns alternate user, assistant, user, ...; there must be exactly one fewer assistant
     turn than user turns, since the model answers the last user turn.
     """
-    global _warned_no_chat_template
     if isinstance(user_turns, str) or isinstance(assistant_turns, str):
         raise ValueError("user_turns and assistant_turns must be lists of strings, not a single string")
     if not user_turns:
@@ -293,7 +292,13 @@ def render_chat(
         messages.append({"role": "user", "content": user})
         if i < len(assistant_turns):
             messages.append({"role": "assistant", "content": assistant_turns[i]})
+    return render_messages(tokenizer, messages)
 
+
+def render_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of chat `messages` ({"role", "content"}, as OpenAI's API sends them) ending in the prompt for the
+    next assistant turn, by the tokenizer's chat template (plain "Role: content" text without one)."""
+    global _warned_no_chat_template
     if not getattr(tokenizer, "chat_template", None):
         if not _warned_no_chat_template:
             logger.warning("tokenizer has no chat template; rendering turns as plain 'User:/Assistant:' text")
@@ -301,7 +306,7 @@ def render_chat(
         text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
         return list(tokenizer(text)["input_ids"])
 
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding here; older versions return the list itself.
     if isinstance(out, Mapping):
         out = out["input_ids"]

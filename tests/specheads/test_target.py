@@ -258,10 +258,11 @@ def test_stop_token_ids(tiny_target: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_target_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_target_conversion() -> None:
+    """The converted folder (written once, by `scripts/setup.sh` on a fresh machine) against transformers' own
+    reading of the GGUF. Converting again into a fresh home would double the test's minute for no new check."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("SPECHEADS_HOME", str(tmp_path))
     path = Path(resolve_target(DEFAULT_TARGET))
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config
