@@ -60,8 +60,8 @@ class _RowsLayer(DynamicLayer):
         self.values = self._vbuf[rows.start : rows.stop, :, :end]
         return self.keys, self.values
 
-    def get_seq_length(self) -> int:
-        return max(self._owner.lengths, default=0)
+    def get_seq_length(self) -> int:  # the longest prefix in the next forward's rows (HF sizes its masks by it)
+        return max(self._owner.window_lengths(), default=0)
 
     def keep(self, row: int, start: int, index: torch.Tensor) -> None:
         """Move row `row`'s entries start+index to start..start+len(index)."""
@@ -90,7 +90,7 @@ class BatchKVCache(DynamicCache):
         self.layers = [_RowsLayer(rows, capacity, self) for _ in self.layers]
         self.rows = rows
         self.lengths: list[int] = []  # committed entries of each occupied row; rows 0..len-1 are occupied
-        self.window_rows = 0  # the first row of the next forward (its batch covers the following rows)
+        self.window_rows, self.window_count = 0, 0  # the rows the next forward covers
 
     def __len__(self) -> int:  # number of layers, as DynamicCache defines it
         return len(self.layers)
@@ -114,10 +114,13 @@ class BatchKVCache(DynamicCache):
         self.lengths[row] = self.lengths.pop()
         return last
 
-    def window(self, first_row: int) -> BatchKVCache:
-        """Make the next forward's batch start at `first_row` (its inputs hold consecutive rows from there)."""
-        self.window_rows = first_row
+    def window(self, first_row: int, count: int) -> BatchKVCache:
+        """Make the next forward cover rows first_row .. first_row + count - 1 (its inputs' batch, in order)."""
+        self.window_rows, self.window_count = first_row, count
         return self
+
+    def window_lengths(self) -> list[int]:
+        return self.lengths[self.window_rows : self.window_rows + self.window_count]
 
     def commit(self, row: int, keep: torch.Tensor) -> None:
         """After a forward that wrote W entries into `row`, keep those at `keep` (node indices, in order) right

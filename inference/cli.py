@@ -344,7 +344,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve OpenAI-compatible completions and chat completions",
                        description="An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
                                    "/health, /metrics) decoding with speculation; output is exact (greedy requests "
-                                   "equal plain greedy decoding). Requests are decoded one at a time, in arrival order.")
+                                   "equal plain greedy decoding). Requests are decoded together, up to --max-batch per step.")
     _add_target(p)
     p.add_argument("--method", default="ar", help="the proposer, as in generate (default ar)")
     _add_method_options(p)
@@ -352,6 +352,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECHEADS_API_KEY if set)")
     p.add_argument("--model-name", help="the model name clients send (default: the --target value)")
+    p.add_argument("--max-batch", type=int, default=4,
+                   help="requests decoded together, one verify forward per step for all (default 4)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=2048, help="the most new tokens one request may ask for (default 2048)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
@@ -384,7 +386,8 @@ def _run_serve(args: argparse.Namespace) -> None:
                               max_body_bytes=args.max_body_bytes)
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
-    engine = Engine(model, make_proposer(args.method, model, options, _draft_loader(model, tokenizer, args)))
+    engine = Engine(model, make_proposer(args.method, model, options, _draft_loader(model, tokenizer, args)),
+                    max_rows=args.max_batch)
     app, service = build_server(engine, tokenizer, stop_token_ids(tokenizer, model), settings, limits)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

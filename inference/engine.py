@@ -7,14 +7,17 @@ like with like.
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
+from specheads.inference.batch_cache import BatchKVCache, batch_tree_mask
 from specheads.inference.cache import TreeKVCache, cache_kwargs
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.sampling import SamplingParams
@@ -123,47 +126,75 @@ def check_proposal(tree: DraftTree, ctx: ProposalContext, vocab_size: int) -> No
         raise ValueError(f"the tree holds token ids in [{low}, {high}], outside the target's vocabulary of {vocab_size}")
 
 
+@dataclass
+class Sequence:
+    """One sequence being decoded: a row of the engine's batch."""
+
+    proposer: Proposer
+    sampling: SamplingParams
+    generator: torch.Generator | None  # on the target's device, seeded from the sampling params (None: global RNG)
+    stops: set[int]
+    tokens: torch.Tensor  # [limit + 1] long on CPU: the prompt, then the committed output
+    n_prompt: int
+    limit: int  # the most tokens (prompt + output) this sequence may reach
+    length_limited: bool  # whether `limit` is the request's max_new_tokens (else the model's context)
+    on_tokens: Callable[[list[int]], None] | None
+    should_stop: Callable[[], str | None] | None
+    started: float  # when it was added (time.perf_counter)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    output: list[int] = field(default_factory=list)
+    n: int = 0  # tokens committed (prompt included)
+    tree: DraftTree | None = None  # the tree its next verify forward checks
+    hidden: TargetHidden | None = None  # the target's hidden states over that forward's nodes (for on_verified)
+    row: int = -1  # its row in the cache, once prefilled
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stats.finish_reason)
+
+    def context(self) -> ProposalContext:
+        room = self.limit - self.n  # tokens that may still be committed, the bonus included
+        return ProposalContext(tokens=self.tokens[: self.n], num_prompt_tokens=self.n_prompt,
+                               max_depth=max(room - 1, 0), sampling=self.sampling, generator=self.generator)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(output_ids=list(self.output), stats=self.stats)
+
+
 class Engine:
-    """Speculative decoding for one HF causal LM target with one proposer (batch size 1).
+    """Speculative decoding for one HF causal LM target: up to `max_rows` sequences per verify forward, each with its
+    own draft tree, acceptance and sampling. `generate` decodes one sequence (a batch of one); `add` and `step` run
+    several, joining and leaving between steps.
+
+    A batch of one runs exactly the forwards of plain one-sequence decoding (a chain tree under the model's own
+    causal mask); several rows run one padded forward per step under a per-row tree mask (`batch_cache.py`). Rows
+    after the first decode with copies of `proposer` (`copy.copy`: the drafter's weights shared, its per-sequence
+    state set by `start`).
 
     With `fallback`, a proposer that raises or returns a tree `check_proposal` refuses makes that step a plain
     (root-only) step, which is exact like any other, and `fallback` is told the reason; without it the error
     propagates (benchmarks and tests want proposer bugs loud)."""
 
     def __init__(self, model: PreTrainedModel, proposer: Proposer, *, max_context: int | None = None,
-                 fallback: FallbackHandler | None = None) -> None:
+                 fallback: FallbackHandler | None = None, max_rows: int = 1) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.model = model.eval()
         self.proposer = proposer
         self.device = model_device(model)
         self.max_context = max_context or model_max_context(model)
         self.fallback = fallback
+        self.max_rows = max_rows
         self.vocab_size = model.config.get_text_config().vocab_size
+        self._cache: BatchKVCache | None = None
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []  # in row order
         check_tree_attention(model)
-
-    def _next_tree(self, ctx: ProposalContext, result, hidden: TargetHidden | None, stats: GenerationStats) -> DraftTree:
-        if self.fallback is None:
-            self.proposer.on_verified(result, hidden)
-            return self.proposer.propose(ctx).truncated(ctx.max_depth)
-        try:
-            self.proposer.on_verified(result, hidden)
-            tree = self.proposer.propose(ctx)
-        except Exception as err:  # noqa: BLE001 - whatever the proposer's failure, this step decodes plainly
-            return self._plain_step("proposer_error", err, ctx, stats)
-        try:
-            check_proposal(tree, ctx, self.vocab_size)
-        except ValueError as err:
-            return self._plain_step("malformed_tree", err, ctx, stats)
-        return tree.truncated(ctx.max_depth)
-
-    def _plain_step(self, reason: str, err: Exception, ctx: ProposalContext, stats: GenerationStats) -> DraftTree:
-        stats.fallbacks += 1
-        self.fallback(reason, err)
-        return DraftTree.root_only(ctx.tokens[-1])
 
     @torch.inference_mode()
     def generate(
         self,
-        prompt_ids: Sequence[int] | torch.Tensor,
+        prompt_ids: Sequence_[int] | torch.Tensor,
         *,
         max_new_tokens: int,
         sampling: SamplingParams = SamplingParams(),
@@ -181,7 +212,25 @@ class Engine:
            target forward, commit the accepted path in the cache, hand the result to the proposer.
         3. Stop at a stop token (kept in the output), max_new_tokens, or the model's context length.
         """
-        start = time.perf_counter()
+        if self._running or self._waiting:
+            raise RuntimeError("generate decodes alone; this engine has sequences in flight (use add and step)")
+        seq = self.add(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
+                       on_tokens=on_tokens, should_stop=should_stop)
+        while not seq.done:
+            self.step()
+        return seq.result()
+
+    def add(
+        self,
+        prompt_ids: Sequence_[int] | torch.Tensor,
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        stop_token_ids: Iterable[int] = (),
+        on_tokens: Callable[[list[int]], None] | None = None,
+        should_stop: Callable[[], str | None] | None = None,
+    ) -> Sequence:
+        """Queue a sequence; it is prefilled at the first `step` with a free row. Arguments as `generate`."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
         n_prompt = prompt.shape[0]
         if n_prompt == 0:
@@ -193,65 +242,161 @@ class Engine:
                 f"the prompt has {n_prompt} tokens but the model's context holds {self.max_context}; "
                 "shorten the prompt (it is never truncated silently)"
             )
-        stops = set(int(t) for t in stop_token_ids)
         limit = n_prompt + max_new_tokens
-        if self.max_context is not None:
-            limit = min(limit, self.max_context)
+        length_limited = True
+        if self.max_context is not None and self.max_context < limit:
+            limit, length_limited = self.max_context, False
         tokens = torch.empty(limit + 1, dtype=torch.long)
         tokens[:n_prompt] = prompt
-        n = n_prompt
-        stats = GenerationStats()
-        generator = sampling.generator(self.device)
-        needs_hidden = bool(self.proposer.needs_target_hidden)
+        in_use = [s.proposer for s in self._running + self._waiting]
+        proposer = self.proposer if not any(p is self.proposer for p in in_use) else copy.copy(self.proposer)
+        seq = Sequence(proposer=proposer, sampling=sampling, generator=sampling.generator(self.device),
+                       stops={int(t) for t in stop_token_ids}, tokens=tokens, n_prompt=n_prompt, n=n_prompt,
+                       limit=limit, length_limited=length_limited, on_tokens=on_tokens, should_stop=should_stop,
+                       started=time.perf_counter())
+        self._waiting.append(seq)
+        return seq
 
-        def context() -> ProposalContext:
-            room = limit - n  # tokens that may still be committed, the bonus included
-            return ProposalContext(tokens=tokens[:n], num_prompt_tokens=n_prompt, max_depth=max(room - 1, 0),
-                                   sampling=sampling, generator=generator)
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
 
-        cache = TreeKVCache(self.model.config, capacity=limit + 16)
-        # Step 1 is the prefill itself: one forward over the whole prompt, whose last token is the first
-        # (root-only) tree, gives the first token. Proposers start from the prompt's other positions.
-        out = self.model(input_ids=prompt[None].to(self.device), **cache_kwargs(self.model, cache),
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One step: prefill the waiting sequences that fit (their first token each), then one verify forward
+        over every sequence already running. Returns the sequences that finished in it (their rows are free)."""
+        finished: list[Sequence] = []
+        running = list(self._running)  # prefilled before this step: they verify now
+        while self._waiting and len(self._running) < self.max_rows:
+            seq = self._waiting.pop(0)
+            self._prefill(seq)
+            self._running.append(seq)
+            if seq.done:
+                finished.append(seq)
+        if running:
+            self._verify_step(running)
+            finished += [s for s in running if s.done]
+        for seq in finished:
+            self._release(seq)
+        return finished
+
+    def _rows(self, seq: Sequence) -> BatchKVCache:
+        if self._cache is None:
+            self._cache = BatchKVCache(self.model.config, rows=self.max_rows, capacity=seq.limit + 16)
+        return self._cache
+
+    def _prefill(self, seq: Sequence) -> None:
+        """Step 1 is the prefill itself: one forward over the whole prompt, whose last token is the first
+        (root-only) tree, gives the first token. Proposers start from the prompt's other positions."""
+        cache = self._rows(seq)
+        seq.row = cache.add_row()
+        prompt = seq.tokens[: seq.n_prompt]
+        needs_hidden = bool(seq.proposer.needs_target_hidden)
+        out = self.model(input_ids=prompt[None].to(self.device), **cache_kwargs(self.model, cache.window(seq.row, 1)),
                          logits_to_keep=1, output_hidden_states=needs_hidden)
         hidden = out.hidden_states if needs_hidden else None
-        self.proposer.start(context(), tuple(h[:, :-1] for h in hidden) if hidden and n_prompt > 1 else None)
-        hidden = tuple(h[:, -1:] for h in hidden) if hidden else None
-        tree = DraftTree.root_only(int(prompt[-1]))
-        prefix = n_prompt - 1
+        seq.proposer.start(seq.context(), tuple(h[:, :-1] for h in hidden) if hidden and seq.n_prompt > 1 else None)
+        seq.hidden = tuple(h[:, -1:] for h in hidden) if hidden else None
+        seq.tree = DraftTree.root_only(int(prompt[-1]))
+        cache.lengths[seq.row] = seq.n_prompt - 1  # the root's entry is committed with the step's path, as any root's
+        self._advance(seq, out.logits[0, -1:])
 
-        output: list[int] = []
-        while True:
-            result = verify(tree, out.logits[0, -tree.size :], sampling, generator)
-            cache.commit(prefix, result.path)
-            new = result.tokens.tolist()
-            stats.record_step(tree.num_drafted, result.num_accepted)
-            for i, tok in enumerate(new):
-                if tok in stops:
-                    new = new[: i + 1]
-                    stats.finish_reason = "stop"
-                    break
-            if len(new) >= limit - n:
-                new = new[: limit - n]
-                stats.finish_reason = stats.finish_reason or (
-                    "length" if limit == n_prompt + max_new_tokens else "context")
-            tokens[n : n + len(new)] = torch.tensor(new, dtype=torch.long)
-            n += len(new)
-            output.extend(new)
-            if stats.steps == 1:
-                stats.ttft_s = time.perf_counter() - start
-            if on_tokens is not None:
-                on_tokens(new)
-            if not stats.finish_reason and should_stop is not None:
-                stats.finish_reason = should_stop() or ""
-            if stats.finish_reason:
+    def _verify_step(self, seqs: list[Sequence]) -> None:
+        """One target forward over every sequence's tree (rows are consecutive: the running ones, in row order)."""
+        cache = self._cache
+        first = seqs[0].row
+        assert [s.row for s in seqs] == list(range(first, first + len(seqs))), "running rows must be consecutive"
+        trees = [s.tree for s in seqs]
+        lengths = cache.lengths[first : first + len(seqs)]
+        width = max(t.size for t in trees)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+        positions = torch.zeros(len(seqs), width, dtype=torch.long)
+        for b, (tree, length) in enumerate(zip(trees, lengths)):
+            tokens[b, : tree.size] = tree.tokens.cpu()
+            positions[b, : tree.size] = tree.depths.cpu() + length
+            positions[b, tree.size :] = length  # padding: its outputs are never read
+        # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
+        # anything else needs ours.
+        mask = None if len(seqs) == 1 and trees[0].is_chain else batch_tree_mask(trees, lengths, self.model.dtype,
+                                                                                   self.device)
+        needs_hidden = any(s.proposer.needs_target_hidden for s in seqs)
+        out = self.model(input_ids=tokens.to(self.device), position_ids=positions.to(self.device), attention_mask=mask,
+                         output_hidden_states=needs_hidden, **cache_kwargs(self.model, cache.window(first, len(seqs))))
+        for b, seq in enumerate(seqs):
+            n = seq.tree.size
+            seq.hidden = tuple(h[b : b + 1, :n] for h in out.hidden_states) if needs_hidden else None
+            self._advance(seq, out.logits[b, :n])
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Verify `seq`'s tree against its logits [N, V], commit the accepted path and new tokens, and draft the
+        next tree unless the sequence finished."""
+        tree, stats = seq.tree, seq.stats
+        result = verify(tree, logits, seq.sampling, seq.generator)
+        self._cache.commit(seq.row, result.path)
+        new = result.tokens.tolist()
+        stats.record_step(tree.num_drafted, result.num_accepted)
+        for i, tok in enumerate(new):
+            if tok in seq.stops:
+                new = new[: i + 1]
+                stats.finish_reason = "stop"
                 break
-            drafting = time.perf_counter()
-            tree = self._next_tree(context(), result, hidden, stats)
-            stats.draft_s += time.perf_counter() - drafting
-            prefix = cache.seq_length
-            out = tree_forward(self.model, cache, tree, output_hidden_states=needs_hidden)
-            hidden = out.hidden_states if needs_hidden else None
-        stats.new_tokens = len(output)
-        stats.wall_s = time.perf_counter() - start
-        return GenerationResult(output_ids=output, stats=stats)
+        if len(new) >= seq.limit - seq.n:
+            new = new[: seq.limit - seq.n]
+            stats.finish_reason = stats.finish_reason or ("length" if seq.length_limited else "context")
+        seq.tokens[seq.n : seq.n + len(new)] = torch.tensor(new, dtype=torch.long)
+        seq.n += len(new)
+        seq.output.extend(new)
+        if stats.steps == 1:
+            stats.ttft_s = time.perf_counter() - seq.started
+        if seq.on_tokens is not None:
+            seq.on_tokens(new)
+        if not stats.finish_reason and seq.should_stop is not None:
+            stats.finish_reason = seq.should_stop() or ""
+        if stats.finish_reason:
+            stats.new_tokens = len(seq.output)
+            stats.wall_s = time.perf_counter() - seq.started
+            return
+        drafting = time.perf_counter()
+        seq.tree = self._next_tree(seq, result)
+        stats.draft_s += time.perf_counter() - drafting
+
+    def _next_tree(self, seq: Sequence, result) -> DraftTree:
+        ctx = seq.context()
+        if self.fallback is None:
+            seq.proposer.on_verified(result, seq.hidden)
+            return seq.proposer.propose(ctx).truncated(ctx.max_depth)
+        try:
+            seq.proposer.on_verified(result, seq.hidden)
+            tree = seq.proposer.propose(ctx)
+        except Exception as err:  # noqa: BLE001 - whatever the proposer's failure, this step decodes plainly
+            return self._plain_step("proposer_error", err, ctx, seq.stats)
+        try:
+            check_proposal(tree, ctx, self.vocab_size)
+        except ValueError as err:
+            return self._plain_step("malformed_tree", err, ctx, seq.stats)
+        return tree.truncated(ctx.max_depth)
+
+    def _plain_step(self, reason: str, err: Exception, ctx: ProposalContext, stats: GenerationStats) -> DraftTree:
+        stats.fallbacks += 1
+        self.fallback(reason, err)
+        return DraftTree.root_only(ctx.tokens[-1])
+
+    def abort(self) -> None:
+        """Drop every sequence in flight and the cache (after a failed step, whose rows may be half-written)."""
+        self._waiting.clear()
+        self._running.clear()
+        self._cache = None
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a finished sequence's row; the last running row moves into it."""
+        moved = self._cache.remove_row(seq.row)
+        self._running.remove(seq)
+        if moved is not None:
+            mover = next(s for s in self._running if s.row == moved)
+            mover.row = seq.row
+            self._running.sort(key=lambda s: s.row)
+        seq.row = -1

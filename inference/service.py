@@ -1,8 +1,8 @@
 """The serving loop: requests wait in a bounded queue and one worker thread decodes them with the engine.
 
-The server (`server.py`) turns HTTP requests into `Job`s and hands them here; the worker runs each through
-`Engine.generate`, so served output is exactly what `specheads generate` gives for the same prompt and sampling.
-Requests are decoded one at a time (a batch of one). A job ends at a stop token, its token limit, its deadline
+The server (`server.py`) turns HTTP requests into `Job`s and hands them here; the worker decodes them as rows of
+the engine's batch (`Engine.add`/`step`, up to `engine.max_rows` at once, joining and leaving between steps), so
+each answer is exactly what `specheads generate` gives for the same prompt and sampling. A job ends at a stop token, its token limit, its deadline
 (`request_timeout_s` from its arrival, queueing included: finish reason "timeout") or its cancellation (a client
 that left: "cancelled"), and its slot goes to the next job at once. A proposer that fails makes its step a plain
 step (`Engine` fallback): the request completes, the fallback counter moves and the error is logged once per reason.
@@ -54,6 +54,7 @@ class Job:
     on_done: Callable[[GenerationResult | None, BaseException | None], None]
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_s: float = 0.0  # from arrival to joining the batch
 
     def cancel(self) -> None:
         """End the job at its next step (or skip it while queued): its client is gone."""
@@ -74,7 +75,7 @@ class GenerationService:
         self._worker.start()
 
     def close(self) -> None:
-        """Finish the job being decoded, drop the queued ones (their clients get an error) and stop the worker."""
+        """Finish the jobs being decoded, drop the queued ones (their clients get an error) and stop the worker."""
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -99,15 +100,46 @@ class GenerationService:
             log.warning("speculation fell back to plain decoding (%s): %s: %s", reason, type(err).__name__, err)
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self.metrics.labels(self.metrics.waiting).dec()
-            self.metrics.labels(self.metrics.running).inc()
+        """Continuous batching: between engine steps, queued jobs join while rows are free (the worker blocks on the
+        queue only when nothing is in flight); each finished row answers its job at once."""
+        jobs: dict[int, Job] = {}  # id(sequence) -> its job
+        closing = False
+        while True:
+            while not closing and len(jobs) < self.engine.max_rows:
+                try:
+                    job = self._queue.get(block=not jobs)
+                except queue.Empty:
+                    break
+                if job is None:  # close(): finish what is in flight, admit nothing more
+                    closing = True
+                    break
+                self.metrics.labels(self.metrics.waiting).dec()
+                seq = self._admit(job)
+                if seq is not None:
+                    jobs[id(seq)] = job
+                    self.metrics.labels(self.metrics.running).inc()
+            if not jobs:
+                if closing:
+                    return
+                continue
             try:
-                self._decode(job)
-            finally:
+                finished = self.engine.step()
+            except Exception as err:  # noqa: BLE001 - the rows in flight fail; the server and the queue go on
+                log.exception("an engine step failed; its requests end with an error")
+                self.engine.abort()
+                for job in jobs.values():
+                    job.on_done(None, err)
+                self.metrics.labels(self.metrics.running).dec(len(jobs))
+                jobs.clear()
+                continue
+            for seq in finished:
+                job = jobs.pop(id(seq))
                 self.metrics.labels(self.metrics.running).dec()
+                self.metrics.record_request(seq.stats, queued_s=job.queued_s)
+                job.on_done(seq.result(), None)
 
-    def _decode(self, job: Job) -> None:
+    def _admit(self, job: Job):
+        """Add `job` to the engine (None if it ended before starting: timed out or abandoned while queued)."""
         deadline = job.arrived + self.limits.request_timeout_s
 
         def finish_reason() -> str | None:
@@ -115,9 +147,9 @@ class GenerationService:
                 return "cancelled"
             return "timeout" if time.monotonic() > deadline else None
 
-        if (early := finish_reason()) is not None:  # timed out or abandoned while queued
+        if (early := finish_reason()) is not None:
             job.on_done(GenerationResult([], GenerationStats(finish_reason=early)), None)
-            return
+            return None
         stop_text: list[str] = []
 
         def on_tokens(new: list[int]) -> None:
@@ -127,14 +159,10 @@ class GenerationService:
         def should_stop() -> str | None:
             return stop_text[0] if stop_text else finish_reason()
 
-        queued_s = time.monotonic() - job.arrived
+        job.queued_s = time.monotonic() - job.arrived
         try:
-            result = self.engine.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
-                                          stop_token_ids=self.stop_token_ids, on_tokens=on_tokens,
-                                          should_stop=should_stop)
-        except Exception as err:  # noqa: BLE001 - the request fails, the server and the queue go on
-            log.exception("a request failed")
+            return self.engine.add(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
+                                   stop_token_ids=self.stop_token_ids, on_tokens=on_tokens, should_stop=should_stop)
+        except ValueError as err:  # the server checks requests first; anything left fails this request alone
             job.on_done(None, err)
-            return
-        self.metrics.record_request(result.stats, queued_s=queued_s)
-        job.on_done(result, None)
+            return None

@@ -45,7 +45,7 @@ def batch_forward(model, cache: BatchKVCache, first_row: int, trees: list[DraftT
     mask = batch_tree_mask(trees, lengths, model.dtype, torch.device("cpu"))
     with torch.no_grad():
         return model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                     **cache_kwargs(model, cache.window(first_row))).logits
+                     **cache_kwargs(model, cache.window(first_row, len(trees)))).logits
 
 
 def test_a_batch_of_trees_verifies_as_each_tree_alone(target):

@@ -1,4 +1,5 @@
-"""`specheads serve`: a real server on a loopback port, driven by the official `openai` client and raw HTTP.
+"""`specheads serve`: a real server on a loopback port, driven by the official `openai` client and raw HTTP; the
+shared server decodes up to 4 requests per step.
 
 Greedy answers must equal the target's own greedy continuation (computed here with `ar` in the engine); a proposer
 that raises or returns a malformed tree must cost speculation, never the request; timeouts, disconnects, a full
@@ -98,7 +99,7 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def server(target, tokenizer):
-    live = LiveServer(Engine(target, ngram(target)), tokenizer, max_tokens=64)
+    live = LiveServer(Engine(target, ngram(target), max_rows=4), tokenizer, max_tokens=64)  # batches of up to 4
     yield live
     live.close()
 
@@ -191,10 +192,18 @@ def test_concurrent_clients_all_get_their_own_greedy_answer(server, target, toke
         return [(p, client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text)
                 for p in (prompts[(k + j) % len(prompts)] for j in range(4))]
 
-    with ThreadPoolExecutor(12) as pool:
-        answers = [a for session in pool.map(client_session, range(12)) for a in session]
+    steps = server.metric("spec_decode_num_drafts_total")
+    seen_running: list[float] = []
+    with ThreadPoolExecutor(13) as pool:
+        load = pool.map(client_session, range(12))
+        watch = pool.submit(lambda: [seen_running.append(server.metric("num_requests_running")) or time.sleep(0.01)
+                                     for _ in range(100)])
+        answers = [a for session in load for a in session]
+        watch.result()
+    assert max(seen_running) > 1  # requests were decoded together, in one batch
     assert len(answers) == 48
     assert all(text == want[p] for p, text in answers)
+    assert server.metric("spec_decode_num_drafts_total") > steps
 
 
 def test_seeded_sampling_is_reproducible(server):

@@ -1,0 +1,95 @@
+"""Several sequences in one engine: each row's greedy output equals its own plain greedy output whatever else is in
+the batch (mixed prompt lengths, rows joining and leaving between steps, every drafter kind, n-gram lookup and a
+draft model), and sampled rows keep the target's law."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specheads.inference.engine import Engine
+from specheads.inference.methods import METHODS, make_proposer
+from specheads.inference.proposers.base import AutoregressiveProposer
+from specheads.inference.proposers.draft_model import DraftModelProposer
+from specheads.inference.sampling import SamplingParams
+from tests.conftest import perturbed_copy, repetitive_prompt
+from tests.drafters import (
+    COUNTING_PROMPT,
+    DRAFTERS,
+    PARAMS,
+    bigram_target,
+    chi_square_p,
+    exact_two_token_law,
+    proposer_for,
+    save_case,
+)
+
+PROMPTS = [repetitive_prompt(length, seed) for seed, length in enumerate((24, 9, 17, 30, 12, 21), start=1)]
+MAX_NEW = [30, 12, 25, 8, 20, 16]  # rows finish at different steps, so others move rows and newcomers join
+
+
+def decode_together(engine: Engine, prompts=PROMPTS, max_new=MAX_NEW, sampling=SamplingParams()) -> list[list[int]]:
+    seqs = [engine.add(p, max_new_tokens=m, sampling=sampling) for p, m in zip(prompts, max_new)]
+    most = 0
+    while any(not s.done for s in seqs):
+        engine.step()
+        most = max(most, engine.num_running)
+    assert most == engine.max_rows  # the batch filled up
+    assert engine.num_running == engine.num_waiting == 0
+    return [s.output for s in seqs]
+
+
+def alone(target, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
+    engine = Engine(target, AutoregressiveProposer())
+    return [engine.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_new)]
+
+
+@pytest.mark.parametrize("method", ["ar", "ngram", "draft"])
+def test_rows_decode_greedily_as_each_would_alone(target, method):
+    if method == "draft":
+        proposer = DraftModelProposer(perturbed_copy(target, 0.02))
+    else:
+        proposer = make_proposer(method, target, METHODS.get(method).make_options({}), None)
+    engine = Engine(target, proposer, max_rows=3)
+    together = decode_together(engine)
+    assert together == alone(target)
+    # the engine is reusable: a second batch, now through a warm cache with stale entries in every row
+    assert decode_together(engine, PROMPTS[::-1], MAX_NEW[::-1]) == alone(target, PROMPTS[::-1], MAX_NEW[::-1])
+
+
+@pytest.mark.parametrize("kind", sorted(DRAFTERS))
+def test_every_drafter_kind_decodes_exactly_in_a_batch(kind, target, tmp_path):
+    save_case(kind, target, tmp_path)
+    engine = Engine(target, proposer_for(kind, target, tmp_path, {}), max_rows=4)
+    assert decode_together(engine) == alone(target)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampled_rows_keep_the_targets_law():
+    """The first two sampled tokens of 400 rows decoded 4 at a time (n-gram lookup drafting the counting run),
+    against the target's exact law; the same check the batch-of-one engine passes (tests/drafters.py)."""
+    target = bigram_target()
+    engine = Engine(target, make_proposer("ngram", target, METHODS.get("ngram").make_options({}), None), max_rows=4)
+    counts, accepted = Counter(), 0
+    for start in range(0, 400, 4):
+        seqs = [engine.add(COUNTING_PROMPT, max_new_tokens=3, sampling=SamplingParams(
+            temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=seed)) for seed in range(start, start + 4)]
+        while any(not s.done for s in seqs):
+            engine.step()
+        for s in seqs:
+            counts[tuple(s.output[:2])] += 1
+            accepted += s.stats.accepted
+    assert accepted > 100  # drafts were accepted: the rows speculated
+    assert chi_square_p(counts, exact_two_token_law(target, COUNTING_PROMPT, PARAMS)) > 1e-3, counts
+
+
+def test_generate_refuses_to_run_beside_sequences_in_flight(target):
+    engine = Engine(target, AutoregressiveProposer(), max_rows=2)
+    engine.add(PROMPTS[0], max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="generate decodes alone"):
+        engine.generate(PROMPTS[1], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        Engine(target, AutoregressiveProposer(), max_rows=0)
+    assert torch.is_tensor(engine.add(PROMPTS[1], max_new_tokens=2).tokens)
