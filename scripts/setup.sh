@@ -54,7 +54,10 @@ echo "==> converting the default target to safetensors (once; later runs reuse i
 "$python" -c "from specheads.target import resolve_target; print('    ' + resolve_target('default'))"
 
 if [[ "$run_tests" == 1 ]]; then
-    echo "==> running tests"
-    exec "$python" -m pytest -q "$@"
+    # Two workers (pytest-xdist), whole files to each so module fixtures are built once; the conftest gives each
+    # worker its share of the cores. SPECHEADS_TEST_WORKERS=0 runs in one process.
+    workers="${SPECHEADS_TEST_WORKERS:-2}"
+    echo "==> running tests ($workers workers)"
+    exec "$python" -m pytest -q -n "$workers" --dist loadfile "$@"
 fi
 echo "==> done; activate with: . $venv/bin/activate"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from specheads.inference.verify_cost import VerifyCost
 
 TINY_VOCAB = 96
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # scripts/test.sh runs the suite in parallel workers (pytest-xdist)
+    # Each worker takes its share of the cores: torch's intra-op threads in every worker would oversubscribe them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def tiny_config(arch: str = "llama", *, layers: int = 4, vocab: int = TINY_VOCAB, hidden: int = 64):
