@@ -299,7 +299,13 @@ class Engine:
         out = self.model(input_ids=prompt[None].to(self.device), **cache_kwargs(self.model, cache.window(seq.row, 1)),
                          logits_to_keep=1, output_hidden_states=needs_hidden)
         hidden = out.hidden_states if needs_hidden else None
-        seq.proposer.start(seq.context(), tuple(h[:, :-1] for h in hidden) if hidden and seq.n_prompt > 1 else None)
+        try:
+            seq.proposer.start(seq.context(), tuple(h[:, :-1] for h in hidden) if hidden and seq.n_prompt > 1 else None)
+        except Exception as err:
+            if self.fallback is None:
+                raise
+            seq.stats.fallbacks += 1  # its steps will fall back as they come; this one only reports
+            self.fallback("proposer_error", err)
         seq.hidden = tuple(h[:, -1:] for h in hidden) if hidden else None
         seq.tree = DraftTree.root_only(int(prompt[-1]))
         cache.lengths[seq.row] = seq.n_prompt - 1  # the root's entry is committed with the step's path, as any root's

@@ -257,6 +257,30 @@ def test_a_failing_proposer_falls_back_to_plain_steps_and_the_request_completes(
         live.close()
 
 
+class FailsToStart(Flaky):
+    def start(self, ctx, hidden):
+        raise RuntimeError("drafter could not start")
+
+
+def test_a_proposer_that_fails_to_start_and_a_failed_step_cost_no_other_request(target, tokenizer):
+    live = LiveServer(Engine(target, FailsToStart(ngram(target))), tokenizer)
+    try:
+        ids = list(tokenizer(prompt_text(16))["input_ids"])
+        want = tokenizer.decode(greedy_reference(target, ids, 20), skip_special_tokens=True)
+        body = {"prompt": prompt_text(16), "max_tokens": 20, "temperature": 0}
+        assert httpx.post(live.url + "/v1/completions", json=body).json()["choices"][0]["text"] == want
+        assert live.metric("spec_decode_fallbacks_total", reason="proposer_error") >= 1
+
+        engine, step = live.service.engine, live.service.engine.step
+        engine.step = lambda: (setattr(engine, "step", step), 1 / 0)[1]  # the next step fails, once
+        failed = httpx.post(live.url + "/v1/completions", json=body)
+        assert failed.status_code == 500 and "division by zero" in failed.json()["error"]["message"]
+        assert httpx.post(live.url + "/v1/completions", json=body).json()["choices"][0]["text"] == want
+        assert live.metric("num_requests_running") == 0
+    finally:
+        live.close()
+
+
 class Slow:
     """Plain decoding that takes `delay` seconds per step, or waits for `gate` before each one."""
 
