@@ -164,11 +164,15 @@ def first_two_tokens(engine: Engine, prompt: list[int], params: SamplingParams, 
     committed (an accepted draft token or a residual sample); three tokens leave it room to draft."""
     counts: Counter = Counter()
     accepted = 0
-    for seed in range(n):
-        res = engine.generate(prompt, max_new_tokens=3, sampling=SamplingParams(
+    for start in range(0, n, engine.max_rows):  # with several rows, generations are decoded together
+        seqs = [engine.add(prompt, max_new_tokens=3, sampling=SamplingParams(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed))
-        counts[tuple(res.output_ids[:2])] += 1
-        accepted += res.stats.accepted
+            for seed in range(start, min(start + engine.max_rows, n))]
+        while any(not s.done for s in seqs):
+            engine.step()
+        for s in seqs:
+            counts[tuple(s.output[:2])] += 1
+            accepted += s.stats.accepted
     return counts, accepted
 
 
@@ -213,10 +217,10 @@ def _verify_keeping_a_rejected_draft(tree, target_logits, sampling, generator=No
 _real_verify = engine_mod.verify
 
 
-def check_sampling_preserves_the_target_distribution(kind: str, folder: Path) -> None:
+def check_sampling_preserves_the_target_distribution(kind: str, folder: Path, rows: int = 1) -> None:
     """Chi-square of the first two sampled tokens against the target's exact law (top-3 at temperature 1, 9 cells)
     on a target whose counting runs get drafted and accepted often; a verifier that keeps a rejected draft must
-    fail the same test, so the sample size has power."""
+    fail the same test, so the sample size has power. `rows` generations are decoded together."""
     target = bigram_target()
     save_case(kind, target, folder)
     method = METHODS.get(kind)
@@ -225,7 +229,7 @@ def check_sampling_preserves_the_target_distribution(kind: str, folder: Path) ->
         # Whole trees: two-token generations leave a node budget too few steps to learn that drafts pay here,
         # and the test needs many accepted drafts for its power. Which nodes are verified never matters to the law.
         options["node_budget"] = "fixed"
-    engine = Engine(target, proposer_for(kind, target, folder, options))
+    engine = Engine(target, proposer_for(kind, target, folder, options), max_rows=rows)
     law = exact_two_token_law(target, COUNTING_PROMPT, PARAMS)
     counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
     assert accepted > SAMPLES // 4, f"{kind}: {accepted} draft tokens accepted in {SAMPLES} generations; too few to test"

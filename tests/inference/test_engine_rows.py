@@ -1,10 +1,8 @@
 """Several sequences in one engine: each row's greedy output equals its own plain greedy output whatever else is in
 the batch (mixed prompt lengths, rows joining and leaving between steps, every drafter kind, n-gram lookup and a
-draft model), and sampled rows keep the target's law."""
+draft model), and sampled rows keep the target's law (every drafter kind and n-gram lookup)."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import pytest
 import torch
@@ -20,8 +18,10 @@ from tests.drafters import (
     DRAFTERS,
     PARAMS,
     bigram_target,
+    check_sampling_preserves_the_target_distribution,
     chi_square_p,
     exact_two_token_law,
+    first_two_tokens,
     proposer_for,
     save_case,
 )
@@ -67,20 +67,18 @@ def test_every_drafter_kind_decodes_exactly_in_a_batch(kind, target, tmp_path):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_sampled_rows_keep_the_targets_law():
-    """The first two sampled tokens of 400 rows decoded 4 at a time (n-gram lookup drafting the counting run),
-    against the target's exact law; the same check the batch-of-one engine passes (tests/drafters.py)."""
+@pytest.mark.parametrize("kind", sorted(DRAFTERS))
+def test_sampled_rows_keep_the_targets_law(kind, tmp_path):
+    """The check every kind passes alone (tests/drafters.py: chi-square of the first two sampled tokens, and a
+    verifier that keeps a rejected draft caught by it), with the generations decoded 4 at a time."""
+    check_sampling_preserves_the_target_distribution(kind, tmp_path, rows=4)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sampled_ngram_rows_keep_the_targets_law():
     target = bigram_target()
     engine = Engine(target, make_proposer("ngram", target, METHODS.get("ngram").make_options({}), None), max_rows=4)
-    counts, accepted = Counter(), 0
-    for start in range(0, 400, 4):
-        seqs = [engine.add(COUNTING_PROMPT, max_new_tokens=3, sampling=SamplingParams(
-            temperature=PARAMS.temperature, top_k=PARAMS.top_k, seed=seed)) for seed in range(start, start + 4)]
-        while any(not s.done for s in seqs):
-            engine.step()
-        for s in seqs:
-            counts[tuple(s.output[:2])] += 1
-            accepted += s.stats.accepted
+    counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, 400)
     assert accepted > 100  # drafts were accepted: the rows speculated
     assert chi_square_p(counts, exact_two_token_law(target, COUNTING_PROMPT, PARAMS)) > 1e-3, counts
 
