@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
+from specheads.inference.cache import grown
 from specheads.inference.tree import DraftTree
 
 
@@ -35,16 +36,6 @@ class _RowsLayer(DynamicLayer):
         self._vbuf = value_states.new_zeros(self._rows, h, self._capacity, value_states.shape[-1])
         self.is_initialized = True
 
-    def _ensure(self, needed: int) -> None:
-        if needed <= self._kbuf.shape[2]:
-            return
-        cap = max(needed, 2 * self._kbuf.shape[2])
-        for name in ("_kbuf", "_vbuf"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
-            new[:, :, : old.shape[2]] = old
-            setattr(self, name, new)
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -52,7 +43,8 @@ class _RowsLayer(DynamicLayer):
         width = key_states.shape[2]
         rows = range(first, first + key_states.shape[0])
         end = max(lengths[r] for r in rows) + width
-        self._ensure(end)
+        # every row keeps its entries (the longest prefix bounds them; stale slots past a row's length are masked)
+        self._kbuf, self._vbuf = (grown(buf, end, max(lengths, default=0)) for buf in (self._kbuf, self._vbuf))
         for i, r in enumerate(rows):  # each row's new entries right after its own prefix
             self._kbuf[r, :, lengths[r] : lengths[r] + width] = key_states[i]
             self._vbuf[r, :, lengths[r] : lengths[r] + width] = value_states[i]

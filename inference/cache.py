@@ -16,6 +16,16 @@ from transformers.cache_utils import DynamicLayer
 from specheads.hf import cache_kwargs  # noqa: F401  (re-exported: the engine's entry point for it)
 
 
+def grown(buf: torch.Tensor, needed: int, keep: int) -> torch.Tensor:
+    """`buf` [B, H, C, D], or a copy with at least `needed` slots (doubling) holding its first `keep` entries and
+    zeros after them: a batch's masked slots are read by attention (with weight 0), so they must hold no NaN."""
+    if needed <= buf.shape[2]:
+        return buf
+    new = buf.new_zeros(buf.shape[0], buf.shape[1], max(needed, 2 * buf.shape[2]), buf.shape[3])
+    new[:, :, :keep] = buf[:, :, :keep]
+    return new
+
+
 class _GrowableLayer(DynamicLayer):
     """A DynamicLayer whose `keys`/`values` are views into a larger buffer."""
 
@@ -34,15 +44,7 @@ class _GrowableLayer(DynamicLayer):
         self.is_initialized = True
 
     def _ensure(self, needed: int) -> None:
-        assert self._kbuf is not None and self._vbuf is not None
-        if needed <= self._kbuf.shape[2]:
-            return
-        cap = max(needed, 2 * self._kbuf.shape[2])
-        for name in ("_kbuf", "_vbuf"):
-            old = getattr(self, name)
-            new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
-            new[:, :, : self._length] = old[:, :, : self._length]
-            setattr(self, name, new)
+        self._kbuf, self._vbuf = (grown(buf, needed, self._length) for buf in (self._kbuf, self._vbuf))
 
     def _refresh_views(self) -> None:
         assert self._kbuf is not None and self._vbuf is not None

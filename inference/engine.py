@@ -284,7 +284,7 @@ class Engine:
             self._release(seq)
         return finished
 
-    def _rows(self, seq: Sequence) -> BatchKVCache:
+    def _cache_for(self, seq: Sequence) -> BatchKVCache:
         if self._cache is None:
             self._cache = BatchKVCache(self.model.config, rows=self.max_rows, capacity=seq.limit + 16)
         return self._cache
@@ -292,7 +292,7 @@ class Engine:
     def _prefill(self, seq: Sequence) -> None:
         """Step 1 is the prefill itself: one forward over the whole prompt, whose last token is the first
         (root-only) tree, gives the first token. Proposers start from the prompt's other positions."""
-        cache = self._rows(seq)
+        cache = self._cache_for(seq)
         seq.row = cache.add_row()
         prompt = seq.tokens[: seq.n_prompt]
         needs_hidden = bool(seq.proposer.needs_target_hidden)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from specheads.inference.engine import Engine, GenerationResult
 from specheads.inference.metrics import ServerMetrics
+from specheads.inference.proposers.base import AutoregressiveProposer
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 
@@ -69,7 +70,7 @@ class GenerationService:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=limits.max_queue)
         self._logged_reasons: set[str] = set()
         self._worker = threading.Thread(target=self._run, name="specheads-engine", daemon=True)
-        metrics.labels(metrics.enabled).set(0 if type(engine.proposer).__name__ == "AutoregressiveProposer" else 1)
+        metrics.labels(metrics.enabled).set(0 if isinstance(engine.proposer, AutoregressiveProposer) else 1)
 
     def start(self) -> None:
         self._worker.start()
