@@ -360,12 +360,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds from arrival (queueing included) after which a request ends with finish_reason "
                         "'timeout' (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413 (default 1 MiB)")
+    p.add_argument("--speculation", choices=("on", "off", "adaptive"),
+                   help="on: every step drafts; off: every step is plain; adaptive: draft only where this machine's "
+                        "calibration says it pays, by batch size and each request's acceptance (needs --calibration). "
+                        "Default: adaptive with --calibration, else on. Output is exact in every mode")
+    p.add_argument("--calibration", type=Path, metavar="JSON",
+                   help="what `specheads calibrate` wrote for this target, method and machine")
+    _add_model_setting(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _add_model_setting(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     _add_weight_layout(p)
     _add_fp32_head(p)
     _add_adapter(p)
-    p.set_defaults(func=_run_serve)
+
+
+def _method(args: argparse.Namespace, model, tokenizer):
+    """The proposer `--method` and its options name, and its label (`method_label`)."""
+    from specheads.inference.methods import make_proposer, method_label
+
+    options = METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
+    return make_proposer(args.method, model, options, _draft_loader(model, tokenizer, args)), \
+        method_label(args.method, options)
 
 
 def _run_serve(args: argparse.Namespace) -> None:
@@ -373,26 +392,158 @@ def _run_serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
+    from specheads.inference.adaptive import check_profile, read_profile, speculation_policy
     from specheads.inference.engine import Engine
-    from specheads.inference.methods import make_proposer
     from specheads.inference.server import ServerSettings, build_server
     from specheads.inference.service import ServiceLimits
+    from specheads.inference.verify_cost import machine_key
     from specheads.target import load_target, stop_token_ids
 
-    options = METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
+    METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})  # check first
+    mode = args.speculation or ("adaptive" if args.calibration else "on")
+    if mode == "adaptive" and args.calibration is None:
+        raise ValueError("--speculation adaptive needs --calibration JSON; write one with `specheads calibrate` "
+                         "(same --target, --method and options)")
+    if args.calibration is not None and mode != "adaptive":
+        raise ValueError(f"--calibration is read by --speculation adaptive only, not {mode}; drop one of them")
+    profile = read_profile(args.calibration) if args.calibration else None  # before the model loads
     limits = ServiceLimits(max_queue=args.max_queue, max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
     settings = ServerSettings(model_name=args.model_name or args.target,
                               api_key=args.api_key or os.environ.get("SPECHEADS_API_KEY") or None,
                               max_body_bytes=args.max_body_bytes)
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
-    engine = Engine(model, make_proposer(args.method, model, options, _draft_loader(model, tokenizer, args)),
-                    max_rows=args.max_batch)
+    proposer, label = _method(args, model, tokenizer)
+    if profile is not None:
+        check_profile(profile, method=label, machine_key=machine_key(model), source=str(args.calibration))
+    engine = Engine(model, proposer, max_rows=args.max_batch, speculation=speculation_policy(mode, profile))
     app, service = build_server(engine, tokenizer, stop_token_ids(tokenizer, model), settings, limits)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         service.close()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure where speculation pays on this machine, for serve's adaptive mode",
+                       description="Times speculative and plain engine steps at each batch size for one target and "
+                                   "method, and writes the JSON `specheads serve --speculation adaptive --calibration` "
+                                   "reads: per batch size the step times, τ and the break-even τ.")
+    _add_target(p)
+    p.add_argument("--method", required=True, help="the proposer, with its options, exactly as serve will run it")
+    _add_method_options(p)
+    p.add_argument("--questions", type=Path, required=True,
+                   help="Spec-Bench/MT-bench JSONL whose first turns are the prompts (the load serve should expect)")
+    p.add_argument("--per-category", type=int, metavar="N", default=2, help="first N questions of every category (default 2)")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16], metavar="B,B,...",
+                   help="batch sizes to measure (default 1,2,4,8,16; serve's --max-batch should not exceed the largest)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per run (default 12)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved runs of each mode and batch size (default 2)")
+    p.add_argument("--output", type=Path, required=True, help="the JSON file to write")
+    _add_model_setting(p)
+    p.set_defaults(func=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specheads.inference.calibrate import calibrate
+    from specheads.questions import load_questions
+    from specheads.target import load_target, render_chat
+
+    METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})  # check first
+    questions = load_questions(args.questions, per_category=args.per_category)
+    if args.output.is_dir():
+        raise ValueError(f"--output {args.output} is a folder; name the JSON file to write")
+    model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
+                                   weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
+    proposer, label = _method(args, model, tokenizer)
+    prompts = [render_chat(tokenizer, [q.turns[0]]) for q in questions]
+    bar = tqdm(total=2 * args.rounds * len(set(args.batch_sizes)), desc="calibrating", unit="run")
+
+    def progress(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update(1)
+
+    profile = calibrate(model, proposer, prompts, method=label, batch_sizes=args.batch_sizes, steps=args.steps,
+                        rounds=args.rounds, progress=progress)
+    bar.close()
+    profile.save(args.output)
+    print(f"{label} on {profile.machine}")
+    print(f"{'batch':>5}  {'plain ms':>9}  {'spec ms':>9}  {'tau':>5}  {'break-even':>10}  pays")
+    for c in profile.costs:
+        print(f"{c.batch:>5}  {1e3 * c.plain_step_s:>9.1f}  {1e3 * c.spec_step_s:>9.1f}  {c.tau:>5.2f}  "
+              f"{c.break_even:>10.2f}  {'yes' if c.pays else 'no'}")
+    print(f"speculation pays up to batch {profile.max_batch}" if profile.max_batch else
+          "speculation pays at no batch size here: adaptive serving will decode plainly")
+    print(f"wrote {args.output}")
+
+
+def _add_loadtest(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("loadtest", help="concurrent streaming requests against running servers, compared in one run",
+                       description="Sends the same greedy chat requests to each server at each concurrency level "
+                                   "(servers taking turns within a level) and reports requests/s, output tokens/s, "
+                                   "p50/p99 latency and time to first token; every server's answers must agree.")
+    p.add_argument("--server", action="append", required=True, metavar="LABEL=URL",
+                   help="a running server, e.g. on=http://127.0.0.1:8001 (repeat to compare)")
+    p.add_argument("--questions", type=Path, required=True, help="Spec-Bench/MT-bench JSONL whose first turns are sent")
+    p.add_argument("--per-category", type=int, metavar="N", default=2, help="first N questions of every category (default 2)")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], metavar="C,C,...",
+                   help="concurrency levels (default 1,2,4,8,16)")
+    p.add_argument("--requests", type=int, default=2, metavar="K",
+                   help="requests per level: K per client, at least 8 (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer (default 64)")
+    p.add_argument("--api-key", help="bearer token, if the servers have one (default: $SPECHEADS_API_KEY if set)")
+    p.add_argument("--output", type=Path, help="write every level's figures (and the answers) to this JSON file")
+    p.set_defaults(func=_run_loadtest)
+
+
+def _run_loadtest(args: argparse.Namespace) -> None:
+    import os
+
+    from specheads.inference.loadtest import loadtest, mismatches
+    from specheads.questions import load_questions
+
+    servers = []
+    for item in args.server:
+        label, sep, url = item.partition("=")
+        if not sep or not label or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--server {item!r}: write LABEL=URL, e.g. on=http://127.0.0.1:8001")
+        servers.append((label, url.rstrip("/")))
+    if len({label for label, _ in servers}) != len(servers):
+        raise ValueError("--server labels must differ")
+    if args.requests < 1 or args.max_tokens < 1:
+        raise ValueError("--requests and --max-tokens must be >= 1")
+    prompts = [q.turns[0] for q in load_questions(args.questions, per_category=args.per_category)]
+    results = loadtest(servers, prompts, concurrency=args.concurrency, requests=lambda c: max(8, args.requests * c),
+                       max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("SPECHEADS_API_KEY"),
+                       progress=lambda what: print(what, file=sys.stderr, flush=True))
+    print(f"{'server':<10} {'conc':>4} {'req/s':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6} {'ttft p50':>8} "
+          f"{'ttft p99':>8} {'failed':>6}")
+    for r in results:
+        print(f"{r.label:<10} {r.concurrency:>4} {r.requests_per_s:>6.3f} {r.output_tokens_per_s:>7.2f} "
+              f"{r.latency_p50_s:>6.2f} {r.latency_p99_s:>6.2f} {r.ttft_p50_s:>8.2f} {r.ttft_p99_s:>8.2f} {r.failed:>6}")
+    problems = mismatches(results)
+    for line in problems:
+        print(f"mismatch: {line}", file=sys.stderr)
+    print("every answer agreed across servers and levels" if not problems else f"{len(problems)} problems (above)")
+    if args.output is not None:
+        from dataclasses import asdict
+
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({"servers": dict(servers), "max_tokens": args.max_tokens,
+                                           "levels": [asdict(r) for r in results]}, indent=1), encoding="utf-8")
+        print(f"wrote {args.output}")
 
 
 def _add_export(sub) -> None:
@@ -458,6 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_calibrate(sub)
+    _add_loadtest(sub)
     _add_export(sub)
     return parser
 

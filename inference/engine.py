@@ -12,14 +12,15 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Sequence_
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
 
+from specheads.inference.adaptive import AlwaysSpeculate, RowState, Speculation
 from specheads.inference.batch_cache import BatchKVCache, batch_tree_mask
 from specheads.inference.cache import TreeKVCache, cache_kwargs
-from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.proposers.base import ProposalContext, Proposer, drafts_together, propose_rows
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.inference.tree import DraftTree
@@ -147,6 +148,8 @@ class Sequence:
     tree: DraftTree | None = None  # the tree its next verify forward checks
     hidden: TargetHidden | None = None  # the target's hidden states over that forward's nodes (for on_verified)
     row: int = -1  # its row in the cache, once prefilled
+    policy: RowState = field(default_factory=RowState)  # what the engine's speculation policy keeps for it
+    failed: tuple[str, Exception] | None = None  # its proposer failed after the last step: the next one is plain
 
     @property
     def done(self) -> bool:
@@ -171,12 +174,16 @@ class Engine:
     after the first decode with copies of `proposer` (`copy.copy`: the drafter's weights shared, its per-sequence
     state set by `start`).
 
+    `speculation` chooses, before each step and per row, how deep it drafts (`adaptive.py`; default: as deep as the
+    proposer likes); a row it sends plain verifies its root alone, without asking the proposer.
+
     With `fallback`, a proposer that raises or returns a tree `check_proposal` refuses makes that step a plain
     (root-only) step, which is exact like any other, and `fallback` is told the reason; without it the error
     propagates (benchmarks and tests want proposer bugs loud)."""
 
     def __init__(self, model: PreTrainedModel, proposer: Proposer, *, max_context: int | None = None,
-                 fallback: FallbackHandler | None = None, max_rows: int = 1) -> None:
+                 fallback: FallbackHandler | None = None, max_rows: int = 1,
+                 speculation: Speculation | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.model = model.eval()
@@ -185,6 +192,8 @@ class Engine:
         self.max_context = max_context or model_max_context(model)
         self.fallback = fallback
         self.max_rows = max_rows
+        self.speculation: Speculation = speculation if speculation is not None else AlwaysSpeculate()
+        self.drafted_last_step = False  # whether the last verify step checked any drafted token
         self.vocab_size = model.config.get_text_config().vocab_size
         self._cache: BatchKVCache | None = None
         self._waiting: list[Sequence] = []
@@ -208,8 +217,9 @@ class Engine:
 
         1. Prefill the whole prompt; its last token is the first (root-only) tree, so the prefill
            forward is step 1 and yields the first token.
-        2. Each further step: propose a tree rooted at the last committed token, verify it in one
-           target forward, commit the accepted path in the cache, hand the result to the proposer.
+        2. Each further step: propose a tree rooted at the last committed token (unless the speculation
+           policy makes it plain), verify it in one target forward, commit the accepted path in the cache,
+           hand the result to the proposer.
         3. Stop at a stop token (kept in the output), max_new_tokens, or the model's context length.
         """
         if self._running or self._waiting:
@@ -267,8 +277,9 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """One step: prefill the waiting sequences that fit (their first token each), then one verify forward
-        over every sequence already running. Returns the sequences that finished in it (their rows are free)."""
+        """One step: prefill the waiting sequences that fit (their first token each), then draft a tree for every
+        sequence already running and verify them all in one forward. Returns the sequences that finished in it
+        (their rows are free)."""
         finished: list[Sequence] = []
         running = list(self._running)  # prefilled before this step: they verify now
         while self._waiting and len(self._running) < self.max_rows:
@@ -278,6 +289,8 @@ class Engine:
             if seq.done:
                 finished.append(seq)
         if running:
+            self._draft(running)
+            self.drafted_last_step = any(s.tree.size > 1 for s in running)
             self._verify_step(running)
             finished += [s for s in running if s.done]
         for seq in finished:
@@ -306,10 +319,11 @@ class Engine:
                 raise
             seq.stats.fallbacks += 1  # its steps will fall back as they come; this one only reports
             self.fallback("proposer_error", err)
+        self.speculation.start(seq.policy)
         seq.hidden = tuple(h[:, -1:] for h in hidden) if hidden else None
         seq.tree = DraftTree.root_only(int(prompt[-1]))
         cache.lengths[seq.row] = seq.n_prompt - 1  # the root's entry is committed with the step's path, as any root's
-        self._advance(seq, out.logits[0, -1:])
+        self._advance(seq, out.logits[0, -1:], batch=1)
 
     def _verify_step(self, seqs: list[Sequence]) -> None:
         """One target forward over every sequence's tree (rows are consecutive: the running ones, in row order)."""
@@ -335,14 +349,15 @@ class Engine:
         for b, seq in enumerate(seqs):
             n = seq.tree.size
             seq.hidden = tuple(h[b : b + 1, :n] for h in out.hidden_states) if needs_hidden else None
-            self._advance(seq, out.logits[b, :n])
+            self._advance(seq, out.logits[b, :n], batch=len(seqs))
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Verify `seq`'s tree against its logits [N, V], commit the accepted path and new tokens, and draft the
-        next tree unless the sequence finished."""
+    def _advance(self, seq: Sequence, logits: torch.Tensor, batch: int) -> None:
+        """Verify `seq`'s tree against its logits [N, V], commit the accepted path and new tokens, and hand the
+        result to the proposer unless the sequence finished."""
         tree, stats = seq.tree, seq.stats
         result = verify(tree, logits, seq.sampling, seq.generator)
         self._cache.commit(seq.row, result.path)
+        self.speculation.observe(seq.policy, batch, tree, result)
         new = result.tokens.tolist()
         stats.record_step(tree.num_drafted, result.num_accepted)
         for i, tok in enumerate(new):
@@ -366,25 +381,61 @@ class Engine:
             stats.new_tokens = len(seq.output)
             stats.wall_s = time.perf_counter() - seq.started
             return
-        drafting = time.perf_counter()
-        seq.tree = self._next_tree(seq, result)
-        stats.draft_s += time.perf_counter() - drafting
-
-    def _next_tree(self, seq: Sequence, result) -> DraftTree:
-        ctx = seq.context()
-        if self.fallback is None:
-            seq.proposer.on_verified(result, seq.hidden)
-            return seq.proposer.propose(ctx).truncated(ctx.max_depth)
+        told = time.perf_counter()
         try:
             seq.proposer.on_verified(result, seq.hidden)
-            tree = seq.proposer.propose(ctx)
+        except Exception as err:  # noqa: BLE001 - whatever the proposer's failure, its next step decodes plainly
+            if self.fallback is None:
+                raise
+            seq.failed = ("proposer_error", err)
+        stats.draft_s += time.perf_counter() - told
+
+    def _draft(self, seqs: list[Sequence]) -> None:
+        """Set each sequence's next tree: its proposer's, as deep as the speculation policy allows (a plain step, root
+        only, when it allows none or the proposer failed). The rows that draft do so together (`propose_rows`: one
+        batched call where their proposer class drafts rows together); the time is shared out evenly among them."""
+        drafting: list[tuple[Sequence, ProposalContext]] = []
+        for seq in seqs:
+            ctx = seq.context()
+            if seq.failed is not None:
+                (reason, err), seq.failed = seq.failed, None
+                seq.tree = self._plain_step(reason, err, ctx, seq.stats)
+                continue
+            cap = self.speculation.depth(seq.policy, len(seqs))
+            if cap == 0 or ctx.max_depth == 0:
+                seq.tree = DraftTree.root_only(ctx.tokens[-1])
+                continue
+            drafting.append((seq, ctx if cap is None or cap >= ctx.max_depth else replace(ctx, max_depth=cap)))
+        if not drafting:
+            return
+        start = time.perf_counter()
+        rows, ctxs = [s for s, _ in drafting], [c for _, c in drafting]
+        proposers = [s.proposer for s in rows]
+        if self.fallback is None:
+            trees = propose_rows(proposers, ctxs)
+        elif drafts_together(proposers):
+            try:
+                trees = propose_rows(proposers, ctxs)
+            except Exception:  # noqa: BLE001 - find the failing rows: each drafts alone, failing alone
+                trees = [self._propose_alone(s, c) for s, c in drafting]
+        else:
+            trees = [self._propose_alone(s, c) for s, c in drafting]
+        for seq, ctx, tree in zip(rows, ctxs, trees):
+            if self.fallback is not None:
+                try:
+                    check_proposal(tree, ctx, self.vocab_size)
+                except ValueError as err:
+                    tree = self._plain_step("malformed_tree", err, ctx, seq.stats)
+            seq.tree = tree.truncated(ctx.max_depth)
+        share = (time.perf_counter() - start) / len(rows)
+        for seq in rows:
+            seq.stats.draft_s += share
+
+    def _propose_alone(self, seq: Sequence, ctx: ProposalContext) -> DraftTree:
+        try:
+            return seq.proposer.propose(ctx)
         except Exception as err:  # noqa: BLE001 - whatever the proposer's failure, this step decodes plainly
             return self._plain_step("proposer_error", err, ctx, seq.stats)
-        try:
-            check_proposal(tree, ctx, self.vocab_size)
-        except ValueError as err:
-            return self._plain_step("malformed_tree", err, ctx, seq.stats)
-        return tree.truncated(ctx.max_depth)
 
     def _plain_step(self, reason: str, err: Exception, ctx: ProposalContext, stats: GenerationStats) -> DraftTree:
         stats.fallbacks += 1

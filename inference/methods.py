@@ -128,3 +128,10 @@ def make_proposer(method: str, target: PreTrainedModel, options: Any, load_draft
     if not isinstance(options, spec.options):
         raise TypeError(f"method {method!r} takes {spec.options.__name__}, got {type(options).__name__}")
     return spec.build(target, options, load_draft)
+
+
+def method_label(method: str, options: Any) -> str:
+    """`method` and the options given to it, as one string (e.g. "eagle+heads=runs/x/final+depth=3"): what a
+    calibration was measured with."""
+    given = [f"{f.name}={getattr(options, f.name)}" for f in fields(options) if getattr(options, f.name) is not None]
+    return "+".join([method, *given])

@@ -18,11 +18,12 @@ Which nodes are verified never changes which tokens are accepted, so outputs sta
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.proposers.base import ProposalContext, Proposer, propose_rows
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.inference.verify_cost import VerifyCost, verify_cost
@@ -155,7 +156,14 @@ class WithNodeBudget:
         self._verified = self.budget.choose(self.inner.propose(ctx).truncated(ctx.max_depth))
         return self._verified
 
+    @staticmethod
+    def propose_many(rows: Sequence[WithNodeBudget], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
+        for r, tree, ctx in zip(rows, propose_rows([r.inner for r in rows], ctxs), ctxs):
+            r._verified = r.budget.choose(tree.truncated(ctx.max_depth))
+        return [r._verified for r in rows]
+
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         if self._verified is not None:
             self.budget.observe(self._verified, result)
+            self._verified = None  # observed once: the engine may verify plain steps without asking for a draft
         self.inner.on_verified(result, target_hidden)

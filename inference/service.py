@@ -70,7 +70,8 @@ class GenerationService:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=limits.max_queue)
         self._logged_reasons: set[str] = set()
         self._worker = threading.Thread(target=self._run, name="specheads-engine", daemon=True)
-        metrics.labels(metrics.enabled).set(0 if isinstance(engine.proposer, AutoregressiveProposer) else 1)
+        self._drafts = not isinstance(engine.proposer, AutoregressiveProposer)
+        self._show_enabled()
 
     def start(self) -> None:
         self._worker.start()
@@ -93,6 +94,11 @@ class GenerationService:
         except queue.Full:
             raise QueueFull(f"{self.limits.max_queue} requests are waiting already; retry later") from None
         self.metrics.labels(self.metrics.waiting).inc()
+
+    def _show_enabled(self) -> None:
+        """Whether the next step (of as many rows as are running now, at least one) may draft."""
+        on = self._drafts and self.engine.speculation.enabled(max(self.engine.num_running, 1))
+        self.metrics.labels(self.metrics.enabled).set(1 if on else 0)
 
     def _fell_back(self, reason: str, err: Exception) -> None:
         self.metrics.labels(self.metrics.fallbacks, reason=reason).inc()
@@ -133,6 +139,7 @@ class GenerationService:
                 self.metrics.labels(self.metrics.running).dec(len(jobs))
                 jobs.clear()
                 continue
+            self._show_enabled()
             for seq in finished:
                 job = jobs.pop(id(seq))
                 self.metrics.labels(self.metrics.running).dec()

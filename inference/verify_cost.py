@@ -84,10 +84,10 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_S
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(reps + 1):  # round 0 warms up allocators and kernels
         for n in sizes:
-            _sync(device)
+            device_sync(device)
             start = time.perf_counter()
             tree_forward(model, cache, trees[n])
-            _sync(device)
+            device_sync(device)
             if rep:
                 times[n].append(time.perf_counter() - start)
             cache.truncate(context)
@@ -100,7 +100,7 @@ def default_cache_dir() -> Path:
 
 def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, **measure) -> VerifyCost:
     """The model's verify cost on this machine: read from the cache, or measured (a few seconds) and cached."""
-    path = (cache_dir or default_cache_dir()) / f"{_machine_key(model)}.json"
+    path = (cache_dir or default_cache_dir()) / f"{machine_key(model)}.json"
     if path.is_file():
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -116,13 +116,23 @@ def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, **measure
     return cost
 
 
-def _machine_key(model: PreTrainedModel) -> str:
-    """What the curve depends on: the model's shapes, dtype, weight layout, device, threads and software."""
+def machine_key(model: PreTrainedModel) -> str:
+    """What step costs depend on: the model's shapes, dtype, weight layout, device, threads and software."""
+    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), linear_layout(model), *_setting(model)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def machine_description(model: PreTrainedModel) -> str:
+    """The same setting in words, for people (the key's model shapes aside)."""
+    device_type, hardware, threads, version = _setting(model)
+    return (f"{type(model).__name__} {model.dtype} ({linear_layout(model)} layout) on {hardware} ({device_type}, "
+            f"{threads} threads, torch {version})")
+
+
+def _setting(model: PreTrainedModel) -> tuple[str, str, str, str]:
     device = next(model.parameters()).device
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), linear_layout(model), device.type,
-             hardware, str(torch.get_num_threads()), torch.__version__]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return device.type, hardware, str(torch.get_num_threads()), torch.__version__
 
 
 def _cpu_name() -> str:
@@ -135,6 +145,6 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _sync(device: torch.device) -> None:
+def device_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

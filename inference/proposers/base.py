@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -26,9 +27,11 @@ class ProposalContext:
 class Proposer(Protocol):
     """Drafts a tree of tokens rooted at the last committed token.
 
-    `start` is called once per generation after the prompt prefill, `propose` once per
-    step, and `on_verified` after the target has verified each tree (the prefill is the
-    first, root-only, step: its root is the prompt's last token). When
+    `start` is called once per generation after the prompt prefill, `propose` for each
+    step that drafts, and `on_verified` after the target has verified each tree (the
+    prefill is the first, root-only, step: its root is the prompt's last token). Steps the
+    engine decodes plainly (adaptive speculation, fallbacks) verify a root-only tree without
+    asking `propose`, so a proposer must not assume a `propose` preceded `on_verified`. When
     `needs_target_hidden` is set, `start` receives the target's hidden states (HF
     `hidden_states`: one [1, n, H] tensor per layer, embeddings first) over the prompt
     minus its last token (None for a one-token prompt), and `on_verified` those over
@@ -42,6 +45,22 @@ class Proposer(Protocol):
     def propose(self, ctx: ProposalContext) -> DraftTree: ...
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None: ...
+
+
+def drafts_together(proposers: Sequence[Proposer]) -> bool:
+    """Whether these rows' proposers are of one class that drafts rows together (a static
+    `propose_many(proposers, ctxs)`, e.g. heads whose forwards batch)."""
+    kind = type(proposers[0]) if proposers else None
+    return (len(proposers) > 1 and hasattr(kind, "propose_many")
+            and all(type(p) is kind for p in proposers))
+
+
+def propose_rows(proposers: Sequence[Proposer], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
+    """Each row's tree, for a batch of rows: one `propose_many` call where they draft together, else each row's
+    `propose`. Either way row i's tree is the one `proposers[i].propose(ctxs[i])` would draft."""
+    if drafts_together(proposers):
+        return type(proposers[0]).propose_many(proposers, ctxs)
+    return [p.propose(c) for p, c in zip(proposers, ctxs)]
 
 
 class AutoregressiveProposer:

@@ -14,6 +14,7 @@ for greedy and sampling alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from specheads.inference.node_budget import (
     node_budget,
     with_node_budget,
 )
-from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.proposers.base import ProposalContext, Proposer, propose_rows
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -58,6 +59,11 @@ class WithPromptLookup:
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
         return self.lookup.graft_onto(self.inner.propose(ctx), ctx)
+
+    @staticmethod
+    def propose_many(rows: Sequence[WithPromptLookup], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
+        trees = propose_rows([r.inner for r in rows], ctxs)
+        return [r.lookup.graft_onto(t, c) for r, t, c in zip(rows, trees, ctxs)]
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self.lookup.on_verified(result, None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,10 +90,14 @@ class MedusaProposer:
         self._templates: dict[int, DraftTree] = {}
         self._topk: torch.Tensor | None = None  # [D * k_max] long on CPU; None until a hidden state is seen
         self._accept: torch.Tensor | None = None  # [P] fp64: each path's probability under the heads
+        # The state the next draft reads, until it is read: a step the engine decodes plainly runs no heads.
+        self._unread: torch.Tensor | None = None  # [H]
 
     @torch.inference_mode()
     def _read(self, hidden: torch.Tensor) -> None:  # hidden: [H], the target's last-layer state of one position
-        logits = self.heads(hidden.reshape(1, 1, -1), num_heads=self.depth)[:, 0, 0]  # [D, V]
+        self._take(self.heads(hidden.reshape(1, 1, -1), num_heads=self.depth)[:, 0, 0])
+
+    def _take(self, logits: torch.Tensor) -> None:  # logits [D, V]: the heads' predictions for the next tree
         top = logits.float().log_softmax(-1).topk(self.k_max, dim=-1)
         self._topk = self.heads.token_ids(top.indices).flatten().cpu()  # [D * k_max] ids
         logp = torch.cat([top.values.flatten().double().cpu(), torch.zeros(1, dtype=torch.float64)])
@@ -101,13 +106,16 @@ class MedusaProposer:
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         # The prefill covers prompt[:-1]: its last state precedes the root (prompt[-1]), exactly as the
         # last accepted node precedes the bonus token after a verify step.
-        self._topk = None
+        self._topk, self._unread = None, None
         if target_hidden is not None:
-            self._read(target_hidden[-1][0, -1])
+            self._unread = target_hidden[-1][0, -1]
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
         root = ctx.tokens[-1]
         cap = min(self.depth, ctx.max_depth)
+        if self._unread is not None:
+            self._read(self._unread)
+            self._unread = None
         if self._topk is None or cap < 1:
             return DraftTree.root_only(root)
         n = self._kept[cap]
@@ -115,9 +123,23 @@ class MedusaProposer:
         accept = torch.cat([torch.ones(1, dtype=torch.float64), self._accept[: n - 1]])
         return self._template(cap).with_tokens(tokens, accept_probs=accept)
 
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(rows: Sequence[MedusaProposer], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
+        """Every row's tree, the heads reading all rows' states in one forward (rows sharing heads and tree)."""
+        unread = [p for p in rows if p._unread is not None]
+        first = unread[0] if unread else None
+        if len(unread) > 1 and all(p.heads is first.heads and p.depth == first.depth for p in unread):
+            hidden = torch.stack([p._unread.reshape(-1) for p in unread])[:, None]  # [B, 1, H]
+            logits = first.heads(hidden, num_heads=first.depth)[:, :, 0]  # [D, B, V]
+            for b, p in enumerate(unread):
+                p._take(logits[:, b])
+                p._unread = None
+        return [p.propose(c) for p, c in zip(rows, ctxs)]
+
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         assert target_hidden is not None, "the engine must pass hidden states when needs_target_hidden is set"
-        self._read(target_hidden[-1][0, int(result.path[-1])])
+        self._unread = target_hidden[-1][0, int(result.path[-1])]
 
     def _template(self, cap: int) -> DraftTree:
         tree = self._templates.get(cap)

@@ -120,6 +120,7 @@ class NgramProposer:
         committed = result.tokens.tolist()
         for n, cont in self._proposed:
             self.hit_rates.observe(n, cont, committed)
+        self._proposed = []  # observed once: the engine may verify plain steps without asking for a draft
 
 
 @dataclass(frozen=True)

@@ -132,3 +132,33 @@ def test_sampling_smoke(target):
     assert len(first.output_ids) == 20 and first.stats.drafted > 0
     assert all(0 <= t < 96 for t in first.output_ids)
     assert again.output_ids == first.output_ids  # seeded
+
+
+def test_rows_drafting_together_get_the_trees_each_drafts_alone(target):
+    """`propose_many` runs the heads once over every row's state; each row's tree is the one its own `propose` gives."""
+    import copy
+
+    from specheads.inference.proposers.base import propose_rows
+    from specheads.inference.sampling import SamplingParams
+    from specheads.inference.tree import DraftTree
+    from specheads.inference.verifier import VerifyResult
+
+    template = MedusaProposer(random_heads(target), MEDUSA_TREES["medusa-16"])
+    hidden = target(torch.tensor([repetitive_prompt(12)]), output_hidden_states=True).hidden_states
+    ctxs = [ProposalContext(tokens=torch.tensor([5, 6, 7 + i]), num_prompt_tokens=2, max_depth=depth,
+                            sampling=SamplingParams(), generator=None) for i, depth in enumerate((4, 2, 3))]
+
+    def rows() -> list[MedusaProposer]:  # three rows, each having seen another position's state
+        out = []
+        for i in range(3):
+            p = copy.copy(template)
+            p.on_verified(VerifyResult(path=torch.tensor([i]), tokens=torch.tensor([1])), hidden)
+            out.append(p)
+        return out
+
+    together = propose_rows(rows(), ctxs)
+    alone = [p.propose(c) for p, c in zip(rows(), ctxs)]
+    assert len({tuple(t.tokens.tolist()) for t in together}) == 3  # the rows' trees differ
+    for a, b in zip(together, alone):
+        assert isinstance(a, DraftTree) and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert torch.allclose(a.accept_probs, b.accept_probs)
