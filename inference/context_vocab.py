@@ -14,6 +14,8 @@ changes which tokens can be drafted.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specheads.int8 import Int8Matrix
@@ -36,6 +38,13 @@ class ContextVocabulary:
         # tokens costs no device sync; only the rare new rows go to the weight's device.
         self._known = torch.zeros(lm_weight.shape[0], dtype=torch.bool)  # [V]
         self.reset(torch.zeros(0, dtype=torch.long))
+
+    def fork(self) -> ContextVocabulary:
+        """The same vocabulary for another request (the weights shared, its own scored tokens)."""
+        new = copy.copy(self)
+        new._known = torch.zeros_like(self._known)
+        new.reset(torch.zeros(0, dtype=torch.long))
+        return new
 
     @property
     def size(self) -> int:  # rows scored now: Vd + E

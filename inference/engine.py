@@ -7,7 +7,6 @@ like with like.
 
 from __future__ import annotations
 
-import copy
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -20,7 +19,7 @@ from transformers import PreTrainedModel
 from specheads.inference.adaptive import AlwaysSpeculate, RowState, Speculation
 from specheads.inference.batch_cache import BatchKVCache, batch_tree_mask
 from specheads.inference.cache import TreeKVCache, cache_kwargs
-from specheads.inference.proposers.base import ProposalContext, Proposer, drafts_together, propose_rows
+from specheads.inference.proposers.base import ProposalContext, Proposer, drafts_together, fork, propose_rows
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.inference.tree import DraftTree
@@ -171,8 +170,8 @@ class Engine:
 
     A batch of one runs exactly the forwards of plain one-sequence decoding (a chain tree under the model's own
     causal mask); several rows run one padded forward per step under a per-row tree mask (`batch_cache.py`). Rows
-    after the first decode with copies of `proposer` (`copy.copy`: the drafter's weights shared, its per-sequence
-    state set by `start`).
+    after the first decode with forks of `proposer` (`proposers.base.fork`: the drafter's weights shared, its
+    per-sequence state its own).
 
     `speculation` chooses, before each step and per row, how deep it drafts (`adaptive.py`; default: as deep as the
     proposer likes); a row it sends plain verifies its root alone, without asking the proposer.
@@ -259,7 +258,7 @@ class Engine:
         tokens = torch.empty(limit + 1, dtype=torch.long)
         tokens[:n_prompt] = prompt
         in_use = [s.proposer for s in self._running + self._waiting]
-        proposer = self.proposer if not any(p is self.proposer for p in in_use) else copy.copy(self.proposer)
+        proposer = self.proposer if not any(p is self.proposer for p in in_use) else fork(self.proposer)
         seq = Sequence(proposer=proposer, sampling=sampling, generator=sampling.generator(self.device),
                        stops={int(t) for t in stop_token_ids}, tokens=tokens, n_prompt=n_prompt, n=n_prompt,
                        limit=limit, length_limited=length_limited, on_tokens=on_tokens, should_stop=should_stop,

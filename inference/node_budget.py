@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.proposers.base import ProposalContext, Proposer, propose_rows
+from specheads.inference.proposers.base import ProposalContext, Proposer, fork, propose_rows
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.inference.verify_cost import VerifyCost, verify_cost
@@ -147,6 +147,9 @@ class WithNodeBudget:
         self.budget = budget
         self.needs_target_hidden = inner.needs_target_hidden
         self._verified: DraftTree | None = None
+
+    def fork(self) -> WithNodeBudget:  # the budget (this machine's costs, the drafter's calibration) is shared
+        return WithNodeBudget(fork(self.inner), self.budget)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self._verified = None

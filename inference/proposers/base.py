@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -45,6 +46,13 @@ class Proposer(Protocol):
     def propose(self, ctx: ProposalContext) -> DraftTree: ...
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None: ...
+
+
+def fork(proposer: Proposer) -> Proposer:
+    """A proposer for another sequence: the same drafter (weights shared) with its own per-sequence state. A shallow
+    copy, which `start` gives fresh state, unless the proposer defines `fork()` because it keeps per-sequence state
+    in objects `start` does not replace (a wrapped proposer, a request's vocabulary)."""
+    return proposer.fork() if hasattr(proposer, "fork") else copy.copy(proposer)
 
 
 def drafts_together(proposers: Sequence[Proposer]) -> bool:

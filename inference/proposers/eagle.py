@@ -21,6 +21,7 @@ sampling alike (the verifier treats each draft as one-hot).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,6 +108,13 @@ class EagleProposer:
         self._n_pairs = 0  # committed (feature, token) pairs in the head cache
 
     # -- engine hooks ---------------------------------------------------------------------------
+
+    def fork(self) -> EagleProposer:
+        """The same head for another sequence: its own head cache and request vocabulary."""
+        new = copy.copy(self)
+        new.vocab = self.vocab.fork() if hasattr(self.vocab, "fork") else self.vocab
+        new._cache, new._pending, new._n_pairs = None, None, 0
+        return new
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self._cache = TreeKVCache(self.head.layer_config, capacity=ctx.tokens.shape[0] + ctx.max_depth + 64)

@@ -30,7 +30,7 @@ from specheads.inference.node_budget import (
     node_budget,
     with_node_budget,
 )
-from specheads.inference.proposers.base import ProposalContext, Proposer, propose_rows
+from specheads.inference.proposers.base import ProposalContext, Proposer, fork, propose_rows
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -52,6 +52,9 @@ class WithPromptLookup:
     @property
     def config(self) -> NgramConfig:
         return self.lookup.config
+
+    def fork(self) -> WithPromptLookup:
+        return WithPromptLookup(fork(self.inner), self.lookup.config)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self.lookup.start(ctx, None)
