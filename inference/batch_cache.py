@@ -62,6 +62,12 @@ class _RowsLayer(DynamicLayer):
             for buf in (self._kbuf, self._vbuf):
                 buf[row, :, start : start + index.numel()] = buf[row].index_select(1, src)
 
+    def grow_rows(self, rows: int) -> None:
+        if self.is_initialized and rows > self._kbuf.shape[0]:
+            self._kbuf, self._vbuf = (torch.cat([buf, buf.new_zeros(rows - buf.shape[0], *buf.shape[1:])])
+                                      for buf in (self._kbuf, self._vbuf))
+        self._rows = max(self._rows, rows)
+
     def move(self, src: int, dst: int, length: int) -> None:
         if self.is_initialized and length:
             for buf in (self._kbuf, self._vbuf):
@@ -69,9 +75,10 @@ class _RowsLayer(DynamicLayer):
 
 
 class BatchKVCache(DynamicCache):
-    """The target's KV cache for up to `rows` sequences at once (see the module doc)."""
+    """The target's KV cache for up to `rows` sequences at once (see the module doc); with `grow_rows`, `rows` is where
+    it starts, and it doubles when a row is added to a full cache."""
 
-    def __init__(self, config: PretrainedConfig, rows: int, capacity: int = 1024) -> None:
+    def __init__(self, config: PretrainedConfig, rows: int, capacity: int = 1024, grow_rows: bool = False) -> None:
         super().__init__(config=config)
         unsupported = sorted({type(layer).__name__ for layer in self.layers if type(layer) is not DynamicLayer})
         if unsupported:
@@ -81,6 +88,7 @@ class BatchKVCache(DynamicCache):
             )
         self.layers = [_RowsLayer(rows, capacity, self) for _ in self.layers]
         self.rows = rows
+        self.grows = grow_rows
         self.lengths: list[int] = []  # committed entries of each occupied row; rows 0..len-1 are occupied
         self.window_rows, self.window_count = 0, 0  # the rows the next forward covers
 
@@ -90,7 +98,11 @@ class BatchKVCache(DynamicCache):
     def add_row(self) -> int:
         """Occupy the next free row (empty); returns its index."""
         if len(self.lengths) == self.rows:
-            raise ValueError(f"all {self.rows} rows are occupied")
+            if not self.grows:
+                raise ValueError(f"all {self.rows} rows are occupied")
+            self.rows *= 2
+            for layer in self.layers:
+                layer.grow_rows(self.rows)
         self.lengths.append(0)
         return len(self.lengths) - 1
 

@@ -15,6 +15,7 @@ changes which tokens can be drafted.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 
@@ -83,6 +84,27 @@ class ContextVocabulary:
         if self._extra_ids.numel():
             out = torch.cat([out, self._extra_weight @ h])
         return out.T.float()
+
+    @staticmethod
+    def logits_rows(vocabs: Sequence[ContextVocabulary], hidden: torch.Tensor) -> torch.Tensor:
+        """[B, n, H] -> [B, n, Vd + max E] fp32: row b scored by vocabs[b] (one GEMM over the shared draft
+        vocabulary for all rows), its columns past its own Vd + E_b at -inf."""
+        first = vocabs[0]
+        if any(v._base_weight is not first._base_weight or v._base_int8 is not first._base_int8 for v in vocabs):
+            raise ValueError("rows scored together must share the draft vocabulary's weights")
+        b, n, _ = hidden.shape
+        flat = hidden.reshape(b * n, -1)
+        base = (first._base_weight @ flat.to(first._base_weight.dtype).T if first._base_int8 is None
+                else first._base_int8(flat).T)  # [Vd, B * n]: the layout `logits` explains
+        base = base.T.float().reshape(b, n, -1)
+        width = max(v._extra_ids.numel() for v in vocabs)
+        if width == 0:
+            return base
+        extra = base.new_full((b, n, width), float("-inf"))
+        for i, v in enumerate(vocabs):
+            if v._extra_ids.numel():
+                extra[i, :, : v._extra_ids.numel()] = (v._extra_weight @ hidden[i].to(v._extra_weight.dtype).T).T.float()
+        return torch.cat([base, extra], dim=-1)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into logits' last dim -> token ids
         return index if self._ids is None else self._ids[index]

@@ -19,7 +19,14 @@ from transformers import PreTrainedModel
 from specheads.inference.adaptive import AlwaysSpeculate, RowState, Speculation
 from specheads.inference.batch_cache import BatchKVCache, batch_tree_mask
 from specheads.inference.cache import TreeKVCache, cache_kwargs
-from specheads.inference.proposers.base import ProposalContext, Proposer, drafts_together, fork, propose_rows
+from specheads.inference.proposers.base import (
+    ProposalContext,
+    Proposer,
+    drafts_together,
+    finish,
+    fork,
+    propose_rows,
+)
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.inference.tree import DraftTree
@@ -443,6 +450,8 @@ class Engine:
 
     def abort(self) -> None:
         """Drop every sequence in flight and the cache (after a failed step, whose rows may be half-written)."""
+        for seq in self._waiting + self._running:
+            finish(seq.proposer)
         self._waiting.clear()
         self._running.clear()
         self._cache = None
@@ -451,6 +460,7 @@ class Engine:
         """Free a finished sequence's row; the last running row moves into it."""
         moved = self._cache.remove_row(seq.row)
         self._running.remove(seq)
+        finish(seq.proposer)
         if moved is not None:
             mover = next(s for s in self._running if s.row == moved)
             mover.row = seq.row

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.proposers.base import ProposalContext, Proposer, fork, propose_rows
+from specheads.inference.proposers.base import ProposalContext, Proposer, finish, fork, propose_rows
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.inference.verify_cost import VerifyCost, verify_cost
@@ -150,6 +150,9 @@ class WithNodeBudget:
 
     def fork(self) -> WithNodeBudget:  # the budget (this machine's costs, the drafter's calibration) is shared
         return WithNodeBudget(fork(self.inner), self.budget)
+
+    def finish(self) -> None:
+        finish(self.inner)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self._verified = None

@@ -59,7 +59,7 @@ class GenerationStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "accept_per_position": [round(x, 4) for x in self.accept_per_position],
             "wall_s": round(self.wall_s, 4),
-            "draft_s": round(self.draft_s, 4),
+            "draft_s": round(self.draft_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "ttft_s": round(self.ttft_s, 4),
             "finish_reason": self.finish_reason,

@@ -55,6 +55,14 @@ def fork(proposer: Proposer) -> Proposer:
     return proposer.fork() if hasattr(proposer, "fork") else copy.copy(proposer)
 
 
+def finish(proposer: Proposer) -> None:
+    """Tell `proposer` its sequence ended (an optional `finish()`: a proposer holding a row of a shared cache frees
+    it)."""
+    done = getattr(proposer, "finish", None)
+    if done is not None:
+        done()
+
+
 def drafts_together(proposers: Sequence[Proposer]) -> bool:
     """Whether these rows' proposers are of one class that drafts rows together (a static
     `propose_many(proposers, ctxs)`, e.g. heads whose forwards batch)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
 from specheads.heads.eagle import KIND_NAME
-from specheads.inference.cache import TreeKVCache
+from specheads.inference.batch_cache import BatchKVCache
 from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.methods import Method, option, register_method
 from specheads.inference.node_budget import node_budget
@@ -85,6 +85,36 @@ class DraftScorer(Protocol):
     def token_ids(self, index: torch.Tensor) -> torch.Tensor: ...  # indices into the C columns -> token ids
 
 
+class HeadRows:
+    """The head's KV cache for every sequence its proposers (a proposer and its forks) draft for: one row each of a
+    `BatchKVCache`, kept contiguous (a released row is refilled by the last one), so rows drafting together run one
+    head forward per level over a window of rows."""
+
+    def __init__(self, layer_config) -> None:
+        self.layer_config = layer_config
+        self.cache: BatchKVCache | None = None
+        self.owners: list[EagleProposer] = []  # by row
+
+    def acquire(self, owner: EagleProposer, capacity: int) -> None:
+        """Give `owner` an empty row (its own again, if it holds one: a proposer restarted for a new sequence)."""
+        if self.cache is None:
+            self.cache = BatchKVCache(self.layer_config, rows=4, capacity=capacity, grow_rows=True)
+        if owner._row < 0:
+            owner._row = self.cache.add_row()
+            self.owners.append(owner)
+        self.cache.lengths[owner._row] = 0
+
+    def release(self, owner: EagleProposer) -> None:
+        if owner._row < 0 or self.cache is None:
+            return
+        moved = self.cache.remove_row(owner._row)
+        last = self.owners.pop()
+        if moved is not None:
+            self.owners[owner._row] = last
+            last._row = owner._row
+        owner._row = -1
+
+
 class EagleProposer:
     needs_target_hidden = True
 
@@ -103,135 +133,258 @@ class EagleProposer:
         self.device, self.dtype = first.device, first.dtype
         self.vocab = vocab if vocab is not None else ContextVocabulary(head.lm_head.weight.detach(), head.draft_ids,
                                                                        enabled=context_vocab, int8=int8_vocab)
-        self._cache: TreeKVCache | None = None
+        self._rows = HeadRows(head.layer_config)  # shared with forks
+        self._row = -1  # this sequence's row in it, from `start` to `finish`
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # target features [m, D], tokens [m]
-        self._n_pairs = 0  # committed (feature, token) pairs in the head cache
 
     # -- engine hooks ---------------------------------------------------------------------------
 
     def fork(self) -> EagleProposer:
-        """The same head for another sequence: its own head cache and request vocabulary."""
+        """The same head for another sequence: its own row of the head cache and its own request vocabulary."""
         new = copy.copy(self)
         new.vocab = self.vocab.fork() if hasattr(self.vocab, "fork") else self.vocab
-        new._cache, new._pending, new._n_pairs = None, None, 0
+        new._row, new._pending = -1, None
         return new
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
-        self._cache = TreeKVCache(self.head.layer_config, capacity=ctx.tokens.shape[0] + ctx.max_depth + 64)
-        self._n_pairs = 0
+        self._rows.acquire(self, capacity=ctx.tokens.shape[0] + ctx.max_depth + 64)
         self._pending = None
         self.vocab.reset(ctx.tokens)
         if target_hidden is not None:
             feats = self.head.select_features(target_hidden)[0]  # [T-1, D] features of prompt[:-1]
             self._pending = (feats, ctx.tokens[1:].to(self.device))
 
+    @torch.inference_mode()  # the head cache's buffers are inference tensors
+    def finish(self) -> None:
+        """The sequence ended: free its row."""
+        self._rows.release(self)
+
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         assert target_hidden is not None
         feats = self.head.select_features(target_hidden)[0, result.path.to(target_hidden[-1].device)]  # [A+1, D]
         self.vocab.add(result.tokens)
         toks = result.tokens.to(self.device)
-        if self._pending is not None:  # pairs from start() not fed yet: the prefill step drafted nothing
+        if self._pending is not None:  # pairs not fed yet (the prefill's, or those of steps that drafted nothing)
             feats, toks = torch.cat([self._pending[0], feats]), torch.cat([self._pending[1], toks])
         self._pending = (feats, toks)
 
     # -- drafting -------------------------------------------------------------------------------
 
-    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, Vd + E]
-        return self.vocab.logits(hidden).log_softmax(-1)
-
-    @torch.inference_mode()
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        assert self._cache is not None, "start() must be called before propose()"
-        root = int(ctx.tokens[-1])
-        depth = min(self.config.depth, ctx.max_depth)
-        if self._pending is None or depth < 1:
-            return DraftTree.root_only(root)
-        cache = self._cache
-        feats, toks = self._pending
-        self._pending = None
-        m = toks.shape[0]
-        start = self._n_pairs
-        positions = torch.arange(start, start + m, device=self.device)
-        mask = _block_causal_mask(start, m, feats.dtype, self.device)
-        out = self.head(toks[None], feats[None].to(self.dtype), positions[None], mask, cache)[0]
-        self._n_pairs = start + m
-        committed = self._n_pairs  # the root's children sit at position `committed`
-        tree = self._expand(out[-1], root, committed, depth)
-        cache.truncate(committed)
-        return tree
+        return EagleProposer.propose_many([self], [ctx])[0]
 
-    def _expand(self, root_hidden: torch.Tensor, root: int, committed: int, depth: int) -> DraftTree:
-        """Steps 2-3 on tensors: one head forward per level, no Python loop over nodes.
-
-        Candidates are numbered in creation order: level 1 holds the root's `topk` children, every later
-        level `topk` children of each of its `topk` expanded parents. Scores (cumulative draft log-probability)
-        add up in float64, so rankings are those of exact sums. Ties go to the earlier candidate everywhere.
-        """
-        cfg, k, dev = self.config, self.config.topk, self.device
-        logp = self._draft_logprobs(root_hidden[None])  # [1, C]: children of the root
-        top = logp.topk(k, dim=-1)
-        tokens = [self.vocab.token_ids(top.indices[0])]  # per level: [n_d] candidate tokens
-        scores = [top.values[0].double()]  # per level: [n_d] cumulative log-probabilities
-        parents = [torch.zeros(k, dtype=torch.long, device=dev)]  # per level: [n_d] parent candidate (0 = root)
-        # Per level: which fed row predicts each candidate's children (-1: the root, whose pair is committed)
-        # and the head output holding that prediction's input feature.
-        parent_row = torch.full((k,), -1, dtype=torch.long, device=dev)  # [n_d]
-        parent_hidden = root_hidden.expand(k, -1)  # [n_d, H]
-        first_id = 1  # candidate number of the level's first node
-        seen = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [F, F]: fed row i sees fed row j (an ancestor or itself)
-        below = self.stop_below() if self.stop_below is not None else 0.0
-        floor = math.log(below) if below > 0 else None
-        for d in range(2, depth + 1):
-            level_scores = scores[-1]
-            if floor is not None and float(level_scores.max()) < floor:  # one host sync per level, only with a floor
-                break
-            expand = torch.sort(level_scores, descending=True, stable=True).indices[:k]  # [E]
-            e, fed = expand.shape[0], seen.shape[0]
-            rows = torch.zeros(e, fed + e, dtype=torch.bool, device=dev)  # what each expanded node sees among fed pairs
-            prow = parent_row[expand]
-            has_parent = prow >= 0
-            rows[has_parent, :fed] = seen[prow[has_parent]]
-            rows[:, fed:] = torch.eye(e, dtype=torch.bool, device=dev)
-            seen = torch.cat([torch.nn.functional.pad(seen, (0, e)), rows])
-            mask = torch.zeros(1, 1, e, committed + fed + e, dtype=parent_hidden.dtype, device=dev)
-            mask[0, 0, :, committed:].masked_fill_(~rows, torch.finfo(mask.dtype).min)
-            pos = torch.full((1, e), committed + d - 2, device=dev)
-            # Feed (predicted feature of the node's parent, node token) for each expanded node.
-            h = self.head(tokens[-1][expand][None], parent_hidden[expand][None], pos, mask, self._cache)[0]  # [E, H]
-            top = self._draft_logprobs(h).topk(k, dim=-1)  # [E, k]
-            tokens.append(self.vocab.token_ids(top.indices).flatten())
-            scores.append((level_scores[expand][:, None] + top.values.double()).flatten())
-            parents.append((first_id + expand).repeat_interleave(k))
-            parent_row = (fed + torch.arange(e, device=dev)).repeat_interleave(k)
-            parent_hidden = h.repeat_interleave(k, dim=0)
-            first_id += level_scores.shape[0]
-
-        # Rerank: the best total_tokens-1 candidates by score. Candidates are numbered level by level, so the stable
-        # sort sends ties to the shallower node; as a child never scores above its parent (log-probabilities are
-        # <= 0), the set is ancestor-closed.
-        all_scores = torch.cat(scores)  # [M], candidate i+1 at index i
-        all_depths = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(tokens)])
-        keep = torch.sort(all_scores, descending=True, stable=True).indices[: cfg.total_tokens - 1]
-        if cfg.min_expected_accepted > 0 and float(all_scores[keep].exp().sum()) < cfg.min_expected_accepted:
-            return DraftTree.root_only(root)
-        # Breadth-first: by depth, then score (keep is already in score order).
-        keep = keep[torch.sort(all_depths[keep], stable=True).indices]
-        index = torch.full((all_scores.shape[0] + 1,), -1, dtype=torch.long, device=dev)
-        index[0] = 0
-        index[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
-        nodes = torch.stack([torch.cat(tokens)[keep], index[torch.cat(parents)[keep]]]).cpu()  # [2, K]: one transfer
-        probs = all_scores[keep].exp().cpu()  # the draft's own path probability: NodeBudget's estimate
-        return DraftTree(tokens=torch.cat([torch.tensor([root]), nodes[0]]),
-                         parents=torch.cat([torch.tensor([-1]), nodes[1]]),
-                         accept_probs=torch.cat([torch.ones(1, dtype=torch.float64), probs]))
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(rows: Sequence[EagleProposer], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
+        """Every row's tree, rows that share a head cache drafting in lockstep: one head forward per level over all
+        of them, one scoring GEMM over their outputs. Each row's tree is the one it drafts alone."""
+        trees: list[DraftTree | None] = [None] * len(rows)
+        drafting: list[int] = []
+        for i, (p, ctx) in enumerate(zip(rows, ctxs)):
+            assert p._row >= 0, "start() must be called before propose()"
+            if p._pending is None or min(p.config.depth, ctx.max_depth) < 1:
+                trees[i] = DraftTree.root_only(int(ctx.tokens[-1]))
+            else:
+                drafting.append(i)
+        groups: dict[int, list[int]] = {}
+        for i in drafting:  # rows of one head cache draft together (forks of one proposer share it)
+            groups.setdefault(id(rows[i]._rows), []).append(i)
+        for group in groups.values():
+            drafted = _draft_rows([rows[i] for i in group], [ctxs[i] for i in group])
+            for i, tree in zip(group, drafted):
+                trees[i] = tree
+        return trees
 
 
-def _block_causal_mask(prefix: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[1, 1, n, prefix + n]: n new positions see the whole prefix and causally each other."""
-    mask = torch.zeros(1, 1, n, prefix + n, dtype=dtype, device=device)
-    future = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
-    mask[0, 0, :, prefix:].masked_fill_(future, torch.finfo(dtype).min)
-    return mask
+# Rows whose pending pairs exceed this catch up in a forward of their own: a newcomer's whole prompt would pad every
+# other row's few pairs to its length.
+_LONG_CATCH_UP = 32
+
+
+def _draft_rows(rows: list[EagleProposer], ctxs: list[ProposalContext]) -> list[DraftTree]:
+    """EAGLE-2 drafting for rows sharing one head and head cache (see the module doc), in lockstep."""
+    first = rows[0]
+    head, cache = first.head, first._rows.cache
+    dev = first.device
+    # 1. Catch up: feed each row's pending (feature, token) pairs; the last output predicts the root's feature.
+    pending = [p._pending for p in rows]
+    for p in rows:
+        p._pending = None
+    short = [b for b, (_, t) in enumerate(pending) if t.shape[0] <= _LONG_CATCH_UP]
+    root_hidden: list[torch.Tensor | None] = [None] * len(rows)
+    for batch in [short] + [[b] for b in range(len(rows)) if b not in short]:
+        if not batch:
+            continue
+        out = _feed(head, cache, [rows[b]._row for b in batch], [pending[b] for b in batch], first.dtype)
+        for b, h in zip(batch, out):
+            root_hidden[b] = h
+    committed = torch.tensor([cache.lengths[p._row] for p in rows], device=dev)  # the root's children's position
+    depth = torch.tensor([min(p.config.depth, c.max_depth) for p, c in zip(rows, ctxs)])
+    roots = [int(c.tokens[-1]) for c in ctxs]
+    trees = _expand(rows, torch.stack(root_hidden), roots, committed, depth)
+    for p, c in zip(rows, committed.tolist()):
+        cache.lengths[p._row] = c  # drafted entries never survive
+    return trees
+
+
+def _window(cache: BatchKVCache, row_ids: list[int]) -> tuple[int, int, torch.Tensor]:
+    """The contiguous rows a forward over `row_ids` covers: (first, count, index of each of `row_ids` in it)."""
+    lo, hi = min(row_ids), max(row_ids)
+    cache.window(lo, hi - lo + 1)
+    return lo, hi - lo + 1, torch.tensor(row_ids) - lo
+
+
+def _visible_own_slots(cache: BatchKVCache, lo: int, count: int, width: int) -> torch.Tensor:
+    """[count, width, max(lengths) + width] bool: each query sees only its own new slot (padding rows and queries,
+    whose outputs nobody reads, keep a finite softmax)."""
+    lengths = torch.tensor(cache.lengths[lo : lo + count])
+    end = int(lengths.max()) + width
+    visible = torch.zeros(count, width, end, dtype=torch.bool)
+    q = torch.arange(width)
+    visible[torch.arange(count)[:, None], q, lengths[:, None] + q] = True
+    return visible
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # [B, W, S] -> [B,1,W,S]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None].to(device)
+
+
+def _feed(head: nn.Module, cache: BatchKVCache, row_ids: list[int],
+          pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Feed each row's pending pairs (features [m, D], tokens [m]) causally after its committed pairs and commit
+    them; returns each row's last output [H]."""
+    lo, count, at = _window(cache, row_ids)
+    width = max(t.shape[0] for _, t in pairs)
+    dev = pairs[0][1].device
+    tokens = torch.zeros(count, width, dtype=torch.long, device=dev)
+    feats = torch.zeros(count, width, pairs[0][0].shape[-1], dtype=dtype, device=dev)
+    lengths = torch.tensor(cache.lengths[lo : lo + count])
+    positions = (lengths[:, None] + torch.arange(width)).to(dev)  # padding's positions are never read
+    visible = _visible_own_slots(cache, lo, count, width)
+    for w, (f, t) in zip(at.tolist(), pairs):
+        m, length = t.shape[0], int(lengths[w])
+        tokens[w, :m], feats[w, :m] = t, f.to(dtype)
+        visible[w, :m, :length] = True
+        visible[w, :m, length : length + m] = torch.ones(m, m, dtype=torch.bool).tril()
+    out = head(tokens, feats, positions, _additive(visible, dtype, dev), cache)  # [count, width, H]
+    last = []
+    for w, (_, t) in zip(at.tolist(), pairs):
+        cache.commit(lo + w, torch.arange(t.shape[0]))
+        last.append(out[w, t.shape[0] - 1])
+    return last
+
+
+def _scores(rows: list[EagleProposer], hidden: torch.Tensor) -> torch.Tensor:  # [B, n, H] -> [B, n, C] log-probs
+    """Each row's draft log-probabilities over its scorer's columns, rows scored together where the scorer can
+    (columns past a row's own are -inf)."""
+    vocabs = [p.vocab for p in rows]
+    kind = type(vocabs[0])
+    if len(rows) > 1 and hasattr(kind, "logits_rows") and all(type(v) is kind for v in vocabs):
+        logits = kind.logits_rows(vocabs, hidden)
+    else:
+        per_row = [v.logits(h) for v, h in zip(vocabs, hidden)]
+        width = max(x.shape[-1] for x in per_row)
+        logits = torch.stack([torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=-math.inf) for x in per_row])
+    return logits.log_softmax(-1)
+
+
+def _expand(rows: list[EagleProposer], root_hidden: torch.Tensor, roots: list[int], committed: torch.Tensor,
+            depth: torch.Tensor) -> list[DraftTree]:
+    """Steps 2-3 on tensors, for B rows at once: one head forward per level, no Python loop over nodes.
+
+    Candidates are numbered in creation order: level 1 holds the root's `topk` children, every later level `topk`
+    children of each of its `topk` expanded parents. Scores (cumulative draft log-probability) add up in float64, so
+    rankings are those of exact sums. Ties go to the earlier candidate everywhere. A row stops expanding at its depth
+    or when its best open node falls below the budget's floor; it rides along (its outputs unread) while others go on.
+    """
+    first = rows[0]
+    cfg, k, dev = first.config, first.config.topk, first.device
+    cache = first._rows.cache
+    b_rows = len(rows)
+    row_ids = [p._row for p in rows]
+    lo, count, at = _window(cache, row_ids)
+    logp = _scores(rows, root_hidden[:, None])[:, 0]  # [B, C]: children of each root
+    top = logp.topk(k, dim=-1)
+    tokens = [torch.stack([p.vocab.token_ids(i) for p, i in zip(rows, top.indices)])]  # per level: [B, n_d]
+    scores = [top.values.double()]  # per level: [B, n_d] cumulative log-probabilities
+    parents = [torch.zeros(b_rows, k, dtype=torch.long, device=dev)]  # per level: [B, n_d] parent candidate (0: root)
+    # Per level: which fed row predicts each candidate's children (-1: the root, whose pair is committed) and the
+    # head output holding that prediction's input feature.
+    parent_row = torch.full((b_rows, k), -1, dtype=torch.long, device=dev)  # [B, n_d]
+    parent_hidden = root_hidden[:, None].expand(-1, k, -1)  # [B, n_d, H]
+    first_id = 1  # candidate number of the level's first node
+    seen = torch.zeros(b_rows, 0, 0, dtype=torch.bool, device=dev)  # [B, F, F]: fed i sees fed j (ancestor or itself)
+    levels = torch.ones(b_rows, dtype=torch.long)  # levels each row keeps
+    active = torch.ones(b_rows, dtype=torch.bool)
+    below = first.stop_below() if first.stop_below is not None else 0.0
+    floor = math.log(below) if below > 0 else None
+    batch = torch.arange(b_rows, device=dev)
+    for d in range(2, int(depth.max()) + 1):
+        level_scores = scores[-1]  # [B, n]
+        active &= depth >= d
+        if floor is not None:  # one host sync per level, only with a floor
+            active &= (level_scores.max(dim=1).values >= floor).cpu()
+        if not bool(active.any()):
+            break
+        levels += active.long()
+        expand = torch.sort(level_scores, dim=1, descending=True, stable=True).indices[:, :k]  # [B, E]
+        e, fed = expand.shape[1], seen.shape[1]
+        visible_rows = torch.zeros(b_rows, e, fed + e, dtype=torch.bool, device=dev)  # what each expanded node sees
+        prow = parent_row.gather(1, expand)  # [B, E]
+        has_parent = prow >= 0
+        if fed:
+            inherited = seen[batch[:, None], prow.clamp(min=0)]  # [B, E, F]
+            visible_rows[:, :, :fed] = inherited & has_parent[:, :, None]
+        visible_rows[:, :, fed:] = torch.eye(e, dtype=torch.bool, device=dev)
+        seen = torch.cat([torch.nn.functional.pad(seen, (0, e)), visible_rows], dim=1)
+        visible = _visible_own_slots(cache, lo, count, e)
+        for b, w in enumerate(at.tolist()):  # the row's committed pairs and its fed tree nodes
+            c = int(committed[b])
+            visible[w, :, :c] = True
+            visible[w, :, c : c + fed + e] = visible_rows[b].cpu()
+        pos = torch.zeros(count, e, dtype=torch.long, device=dev)
+        pos[at] = (committed + d - 2)[:, None].expand(-1, e)
+        tok_in = torch.zeros(count, e, dtype=torch.long, device=dev)
+        tok_in[at] = tokens[-1].gather(1, expand)
+        feat_in = parent_hidden.new_zeros(count, e, parent_hidden.shape[-1])
+        feat_in[at] = parent_hidden.gather(1, expand[:, :, None].expand(-1, -1, parent_hidden.shape[-1]))
+        # Feed (predicted feature of the node's parent, node token) for each expanded node.
+        h = first.head(tok_in, feat_in, pos, _additive(visible, parent_hidden.dtype, dev), cache)[at]  # [B, E, H]
+        for r in row_ids:
+            cache.commit(r, torch.arange(e))  # the level's entries, seen by the next levels; rolled back at the end
+        top = _scores(rows, h).topk(k, dim=-1)  # [B, E, k]
+        tokens.append(torch.stack([p.vocab.token_ids(i) for p, i in zip(rows, top.indices)]).flatten(1))
+        scores.append((level_scores.gather(1, expand)[:, :, None] + top.values.double()).flatten(1))
+        parents.append((first_id + expand).repeat_interleave(k, dim=1))
+        parent_row = (fed + torch.arange(e, device=dev)).repeat_interleave(k)[None].expand(b_rows, -1)
+        parent_hidden = h.repeat_interleave(k, dim=1)
+        first_id += level_scores.shape[1]
+    return [_rerank(cfg, roots[b], [t[b] for t in tokens[: levels[b]]], [s[b] for s in scores[: levels[b]]],
+                    [q[b] for q in parents[: levels[b]]]) for b in range(b_rows)]
+
+
+def _rerank(cfg: EagleTreeConfig, root: int, tokens: list[torch.Tensor], scores: list[torch.Tensor],
+            parents: list[torch.Tensor]) -> DraftTree:
+    """Step 3 for one row: the best total_tokens-1 candidates by score. Candidates are numbered level by level, so
+    the stable sort sends ties to the shallower node; as a child never scores above its parent (log-probabilities
+    are <= 0), the set is ancestor-closed."""
+    dev = scores[0].device
+    all_scores = torch.cat(scores)  # [M], candidate i+1 at index i
+    all_depths = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(tokens)])
+    keep = torch.sort(all_scores, descending=True, stable=True).indices[: cfg.total_tokens - 1]
+    if cfg.min_expected_accepted > 0 and float(all_scores[keep].exp().sum()) < cfg.min_expected_accepted:
+        return DraftTree.root_only(root)
+    # Breadth-first: by depth, then score (keep is already in score order).
+    keep = keep[torch.sort(all_depths[keep], stable=True).indices]
+    index = torch.full((all_scores.shape[0] + 1,), -1, dtype=torch.long, device=dev)
+    index[0] = 0
+    index[keep + 1] = torch.arange(1, keep.shape[0] + 1, device=dev)
+    nodes = torch.stack([torch.cat(tokens)[keep], index[torch.cat(parents)[keep]]]).cpu()  # [2, K]: one transfer
+    probs = all_scores[keep].exp().cpu()  # the draft's own path probability: NodeBudget's estimate
+    return DraftTree(tokens=torch.cat([torch.tensor([root]), nodes[0]]),
+                     parents=torch.cat([torch.tensor([-1]), nodes[1]]),
+                     accept_probs=torch.cat([torch.ones(1, dtype=torch.float64), probs]))
 
 
 @dataclass(frozen=True, kw_only=True)

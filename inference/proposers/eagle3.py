@@ -7,6 +7,8 @@ request can be added to what it scores. Drafts are deterministic top-k choices, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specheads.heads.eagle3 import KIND_NAME, Eagle3Head
@@ -28,6 +30,12 @@ class HeadVocabulary:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, Vd], fp32
         return self.head.draft_logits(hidden).float()
+
+    @staticmethod
+    def logits_rows(vocabs: Sequence[HeadVocabulary], hidden: torch.Tensor) -> torch.Tensor:  # [B, n, H] -> [B, n, Vd]
+        if any(v.head is not vocabs[0].head for v in vocabs):
+            raise ValueError("rows scored together must share the head")
+        return vocabs[0].head.draft_logits(hidden).float()
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         return self.head.token_ids(index)

@@ -30,7 +30,7 @@ from specheads.inference.node_budget import (
     node_budget,
     with_node_budget,
 )
-from specheads.inference.proposers.base import ProposalContext, Proposer, fork, propose_rows
+from specheads.inference.proposers.base import ProposalContext, Proposer, finish, fork, propose_rows
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -55,6 +55,9 @@ class WithPromptLookup:
 
     def fork(self) -> WithPromptLookup:
         return WithPromptLookup(fork(self.inner), self.lookup.config)
+
+    def finish(self) -> None:
+        finish(self.inner)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self.lookup.start(ctx, None)
