@@ -86,32 +86,31 @@ class NeverSpeculate(AlwaysSpeculate):
 
 @dataclass(frozen=True)
 class BatchCost:
-    """One batch size's calibration: medians of step times with every row speculating and with every row plain."""
+    """One batch size's step times: medians with every row speculating and with every row plain."""
 
     batch: int
     plain_step_s: float
     spec_step_s: float
-    tau: float  # tokens per row per speculative step (accepted + 1)
-    accept_per_position: tuple[float, ...]  # [i]: share of speculative steps that accepted at least i + 1 tokens
-    mean_depth: float  # mean depth of the drafted trees
 
     @property
     def break_even(self) -> float:
         """The τ at which a speculative step commits tokens as fast as plain steps do."""
         return self.spec_step_s / self.plain_step_s
 
-    @property
-    def pays(self) -> bool:
-        return self.tau > self.break_even
-
 
 @dataclass(frozen=True)
 class SpeculationProfile:
     """Where speculation pays for one target and method on one machine (`specheads calibrate` writes it)."""
 
-    method: str  # the method spec it was measured with, e.g. "eagle:runs/x/final"
+    method: str  # the method and its options, as `methods.method_label` writes them
     machine_key: str  # the target's shapes, dtype, layout, device, threads and software (verify_cost.machine_key)
     machine: str  # the same in words, for people
+    # The drafter on the calibration prompts (a row drafts in a batch what it drafts alone, so these hold at any
+    # batch size): tokens per row per speculative step (accepted + 1), the share of steps that accepted at least
+    # i + 1 tokens, and the mean depth of the drafted trees.
+    tau: float
+    accept_per_position: tuple[float, ...]
+    mean_depth: float
     costs: tuple[BatchCost, ...]  # increasing batch sizes
     created: str = ""
 
@@ -119,14 +118,19 @@ class SpeculationProfile:
         batches = [c.batch for c in self.costs]
         if not batches or batches != sorted(set(batches)) or batches[0] < 1:
             raise ValueError(f"a speculation profile needs increasing batch sizes >= 1, got {batches}")
-        for c in self.costs:
-            if not (c.plain_step_s > 0 and c.spec_step_s > 0 and c.tau >= 1 and c.mean_depth >= 0):
-                raise ValueError(f"batch {c.batch}: step times must be > 0, tau >= 1 and mean_depth >= 0")
+        if any(not (c.plain_step_s > 0 and c.spec_step_s > 0) for c in self.costs):
+            raise ValueError("step times must be > 0")
+        if not (self.tau >= 1 and self.mean_depth >= 0 and all(0 <= s <= 1 for s in self.accept_per_position)):
+            raise ValueError("a profile needs tau >= 1, mean_depth >= 0 and acceptance shares in [0, 1]")
+
+    def pays(self, batch: int) -> bool:
+        """Whether the calibrated τ beats the break-even at `batch`."""
+        return self.tau > self.break_even(batch)
 
     @property
     def max_batch(self) -> int:
         """The largest calibrated batch at which speculation paid (0: at none)."""
-        return max((c.batch for c in self.costs if c.pays), default=0)
+        return max((c.batch for c in self.costs if self.pays(c.batch)), default=0)
 
     def _at(self, batch: int, value) -> float:
         """`value(cost)` at `batch`: linear between calibrated sizes, the nearest end outside them."""
@@ -142,12 +146,9 @@ class SpeculationProfile:
     def break_even(self, batch: int) -> float:
         return self._at(batch, lambda c: c.break_even)
 
-    def tau(self, batch: int) -> float:
-        return self._at(batch, lambda c: c.tau)
-
     def level_cost(self, batch: int) -> float:
-        """What one draft level costs, in plain steps: the speculative step's extra cost over its mean depth."""
-        return self._at(batch, lambda c: (c.break_even - 1.0) / max(c.mean_depth, 1.0))
+        """What one draft level costs, in plain steps: the speculative step's extra cost over the mean depth."""
+        return (self.break_even(batch) - 1.0) / max(self.mean_depth, 1.0)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -156,9 +157,9 @@ class SpeculationProfile:
     def from_json(cls, text: str, source: str = "the profile") -> SpeculationProfile:
         try:
             data = json.loads(text)
-            costs = tuple(BatchCost(**{**c, "accept_per_position": tuple(c["accept_per_position"])})
-                          for c in data.pop("costs"))
-            return cls(costs=costs, **data)
+            costs = tuple(BatchCost(**c) for c in data.pop("costs"))
+            shares = tuple(data.pop("accept_per_position"))
+            return cls(costs=costs, accept_per_position=shares, **data)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{source} is not a speculation profile ({err}); write one with `specheads calibrate`") \
                 from None
@@ -201,18 +202,16 @@ class AdaptiveSpeculation:
     _reach: list[float] = field(default_factory=list, init=False)  # [d-1]: steps whose tree reached depth d
     _hit: list[float] = field(default_factory=list, init=False)  # [d-1]: those that accepted at least d tokens
     _capped: int = field(default=0, init=False)
-    _prior_tau: float = field(default=1.0, init=False)
 
     def __post_init__(self) -> None:
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
-        shares = self.profile.costs[0].accept_per_position
+        shares = self.profile.accept_per_position
         self._reach = [self.prior_steps] * len(shares)
         self._hit = [self.prior_steps * s for s in shares]
-        self._prior_tau = sum(c.tau for c in self.profile.costs) / len(self.profile.costs)
 
     def start(self, row: RowState) -> None:
-        row.tau = self._prior_tau  # a new row starts from the calibrated τ, until its own steps say otherwise
+        row.tau = self.profile.tau  # a new row starts from the calibrated τ, until its own steps say otherwise
         row.plain_left = 0
 
     def enabled(self, batch: int) -> bool:

@@ -389,13 +389,17 @@ def _method(args: argparse.Namespace, model, tokenizer):
 
 def _run_serve(args: argparse.Namespace) -> None:
     import os
+    import signal
+    import threading
 
     import uvicorn
 
     from specheads.inference.adaptive import check_profile, read_profile, speculation_policy
     from specheads.inference.engine import Engine
-    from specheads.inference.server import ServerSettings, build_server
-    from specheads.inference.service import ServiceLimits
+    from specheads.inference.metrics import ServerMetrics
+    from specheads.inference.proposers.base import AutoregressiveProposer
+    from specheads.inference.server import ServerSettings, create_app
+    from specheads.inference.service import GenerationService, ServiceLimits
     from specheads.inference.verify_cost import machine_key
     from specheads.target import load_target, stop_token_ids
 
@@ -416,12 +420,31 @@ def _run_serve(args: argparse.Namespace) -> None:
     proposer, label = _method(args, model, tokenizer)
     if profile is not None:
         check_profile(profile, method=label, machine_key=machine_key(model), source=str(args.calibration))
+        if profile.max_batch == 0:  # no step will draft: decode plainly, without the drafter's per-step upkeep
+            logging.getLogger("specheads.serve").warning(
+                "%s: speculation paid at no calibrated batch size (tau %.2f); serving with plain steps",
+                args.calibration, profile.tau)
+            proposer = AutoregressiveProposer()
     engine = Engine(model, proposer, max_rows=args.max_batch, speculation=speculation_policy(mode, profile))
-    app, service = build_server(engine, tokenizer, stop_token_ids(tokenizer, model), settings, limits)
+    service = GenerationService(engine, stop_token_ids(tokenizer, model), ServerMetrics(settings.model_name), limits)
+    app = create_app(service, tokenizer, settings)
+    # The engine decodes in this (the main) thread, the HTTP server in another: see GenerationService.run.
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    thread = threading.Thread(target=http.run, name="specheads-http", daemon=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the server as Ctrl-C does
+    thread.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        service.run()
+    except KeyboardInterrupt:
+        pass
     finally:
+        http.should_exit = True
+        thread.join(timeout=30)
         service.close()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _int_list(text: str) -> list[int]:
@@ -449,6 +472,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
                    help="batch sizes to measure (default 1,2,4,8,16; serve's --max-batch should not exceed the largest)")
     p.add_argument("--steps", type=int, default=12, help="timed steps per run (default 12)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved runs of each mode and batch size (default 2)")
+    p.add_argument("--acceptance-tokens", type=int, default=64, metavar="N",
+                   help="new tokens per prompt for measuring τ and per-position acceptance (default 64)")
     p.add_argument("--output", type=Path, required=True, help="the JSON file to write")
     _add_model_setting(p)
     p.set_defaults(func=_run_calibrate)
@@ -469,21 +494,24 @@ def _run_calibrate(args: argparse.Namespace) -> None:
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
     proposer, label = _method(args, model, tokenizer)
     prompts = [render_chat(tokenizer, [q.turns[0]]) for q in questions]
-    bar = tqdm(total=2 * args.rounds * len(set(args.batch_sizes)), desc="calibrating", unit="run")
+    bar = tqdm(total=1 + 2 * args.rounds * len(set(args.batch_sizes)), desc="calibrating", unit="run")
 
     def progress(what: str) -> None:
         bar.set_postfix_str(what)
         bar.update(1)
 
     profile = calibrate(model, proposer, prompts, method=label, batch_sizes=args.batch_sizes, steps=args.steps,
-                        rounds=args.rounds, progress=progress)
+                        rounds=args.rounds, acceptance_tokens=args.acceptance_tokens, progress=progress)
     bar.close()
     profile.save(args.output)
     print(f"{label} on {profile.machine}")
-    print(f"{'batch':>5}  {'plain ms':>9}  {'spec ms':>9}  {'tau':>5}  {'break-even':>10}  pays")
+    shares = ", ".join(f"{s:.2f}" for s in profile.accept_per_position[:6])
+    print(f"tau {profile.tau:.2f}, acceptance by position {shares}, mean draft depth {profile.mean_depth:.2f} "
+          f"({len(questions)} prompts)")
+    print(f"{'batch':>5}  {'plain ms':>9}  {'spec ms':>9}  {'break-even':>10}  pays")
     for c in profile.costs:
-        print(f"{c.batch:>5}  {1e3 * c.plain_step_s:>9.1f}  {1e3 * c.spec_step_s:>9.1f}  {c.tau:>5.2f}  "
-              f"{c.break_even:>10.2f}  {'yes' if c.pays else 'no'}")
+        print(f"{c.batch:>5}  {1e3 * c.plain_step_s:>9.1f}  {1e3 * c.spec_step_s:>9.1f}  {c.break_even:>10.2f}  "
+              f"{'yes' if profile.pays(c.batch) else 'no'}")
     print(f"speculation pays up to batch {profile.max_batch}" if profile.max_batch else
           "speculation pays at no batch size here: adaptive serving will decode plainly")
     print(f"wrote {args.output}")

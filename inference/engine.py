@@ -449,7 +449,8 @@ class Engine:
         return DraftTree.root_only(ctx.tokens[-1])
 
     def abort(self) -> None:
-        """Drop every sequence in flight and the cache (after a failed step, whose rows may be half-written)."""
+        """Drop every sequence in flight and the cache (after a failed step, whose rows may be half-written, or before
+        dropping an engine mid-way: their proposers free what they hold, e.g. rows of a shared head cache)."""
         for seq in self._waiting + self._running:
             finish(seq.proposer)
         self._waiting.clear()

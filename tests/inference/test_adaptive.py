@@ -32,14 +32,14 @@ from tests.drafters import DRAFTERS, proposer_for, save_case
 from tests.inference.test_engine_rows import MAX_NEW, PROMPTS, alone, decode_together
 
 
-def cost(batch: int, plain: float, spec: float, tau: float, shares=(0.6, 0.3, 0.1), depth: float = 3.0) -> BatchCost:
-    return BatchCost(batch=batch, plain_step_s=plain, spec_step_s=spec, tau=tau, accept_per_position=tuple(shares),
-                     mean_depth=depth)
+def cost(batch: int, plain: float, spec: float) -> BatchCost:
+    return BatchCost(batch=batch, plain_step_s=plain, spec_step_s=spec)
 
 
-# Speculation pays at batch 1 (break-even 1.2 < τ 1.8) and 2 (1.5 < 1.7), not at 4 (2.5 > 1.7).
-PROFILE = SpeculationProfile(method="ngram", machine_key="k", machine="test", costs=(
-    cost(1, 0.010, 0.012, 1.8), cost(2, 0.012, 0.018, 1.7), cost(4, 0.016, 0.040, 1.7)))
+# τ 1.7 beats the break-even at batch 1 (1.2) and 2 (1.5), not at 4 (2.5).
+PROFILE = SpeculationProfile(method="ngram", machine_key="k", machine="test", tau=1.7,
+                             accept_per_position=(0.6, 0.3, 0.1), mean_depth=3.0,
+                             costs=(cost(1, 0.010, 0.012), cost(2, 0.012, 0.018), cost(4, 0.016, 0.040)))
 
 
 def chain(depth: int) -> DraftTree:
@@ -59,7 +59,8 @@ def test_the_profile_interpolates_between_batch_sizes_and_knows_where_speculatio
     assert PROFILE.break_even(3) == pytest.approx((1.5 + 2.5) / 2)  # halfway between batch 2 and 4
     assert PROFILE.break_even(64) == pytest.approx(2.5)  # beyond the largest: its value
     assert PROFILE.level_cost(1) == pytest.approx(0.2 / 3)  # (break-even - 1) / mean depth
-    never = replace(PROFILE, costs=(cost(1, 0.01, 0.03, 1.5),))
+    assert [PROFILE.pays(b) for b in (1, 2, 3, 4)] == [True, True, False, False]  # 3: break-even 2.0 > τ
+    never = replace(PROFILE, costs=(cost(1, 0.01, 0.03),))
     assert never.max_batch == 0
 
 
@@ -75,7 +76,9 @@ def test_the_profile_round_trips_through_json_and_other_files_are_refused(tmp_pa
     with pytest.raises(ValueError, match="increasing batch sizes"):
         replace(PROFILE, costs=PROFILE.costs[::-1])
     with pytest.raises(ValueError, match="tau >= 1"):
-        replace(PROFILE, costs=(cost(1, 0.01, 0.01, 0.5),))
+        replace(PROFILE, tau=0.5)
+    with pytest.raises(ValueError, match="step times must be > 0"):
+        replace(PROFILE, costs=(cost(1, 0.0, 0.01),))
 
 
 def test_a_profile_for_another_method_or_machine_is_refused():
@@ -110,8 +113,8 @@ def test_rows_step_plainly_above_the_batch_threshold():
 def test_a_row_below_break_even_steps_plainly_then_probes_again():
     policy, row = AdaptiveSpeculation(PROFILE, probe_every=3), RowState()
     policy.start(row)
-    assert row.tau == pytest.approx(sum(c.tau for c in PROFILE.costs) / 3)  # starts from the calibrated τ
-    for _ in range(2):  # two rejected drafts: τ falls to 1.75*0.75^2 + ... below the break-even 1.5 at batch 2
+    assert row.tau == PROFILE.tau  # starts from the calibrated τ
+    for _ in range(2):  # two rejected drafts: τ falls to 1.7*0.75^2 + 1 - 0.75^2 = 1.39, below the break-even 1.5
         assert policy.depth(row, 2) != 0
         policy.observe(row, 2, chain(3), accepted(0))
     assert row.tau < PROFILE.break_even(2)
@@ -198,11 +201,16 @@ def test_calibrate_times_each_batch_size(target):
     profile = calibrate(target, proposer, PROMPTS[:3], method="draft", batch_sizes=(2, 1), steps=3, rounds=2,
                         progress=seen.append)
     assert [c.batch for c in profile.costs] == [1, 2]
-    assert len(seen) == 2 * 2 * 2  # rounds x batch sizes x modes
+    assert len(seen) == 1 + 2 * 2 * 2  # the acceptance pass, then rounds x batch sizes x modes
     assert profile.machine_key == machine_key(target) and profile.method == "draft"
-    for c in profile.costs:
-        assert c.plain_step_s > 0 and c.spec_step_s > 0 and c.tau > 1.5 and c.mean_depth == 4  # DraftConfig's depth
-        assert all(0 <= s <= 1 for s in c.accept_per_position)
+    assert all(c.plain_step_s > 0 and c.spec_step_s > 0 for c in profile.costs)
+    # the drafter's acceptance, as the same prompts decoded alone show it
+    alone = [Engine(target, DraftModelProposer(perturbed_copy(target, 0.02))).generate(p, max_new_tokens=64).stats
+             for p in PROMPTS[:3]]
+    assert profile.tau == pytest.approx(sum(s.new_tokens - 1 for s in alone) / sum(s.steps - 1 for s in alone))
+    assert 3.5 < profile.mean_depth <= 4  # DraftConfig's depth, less in the last steps, where few tokens are left
+    assert profile.accept_per_position[0] == pytest.approx(
+        sum(s.accepted_at_least[0] for s in alone) / sum(s.steps - 1 for s in alone), abs=1e-4)
     with pytest.raises(ValueError, match="batch sizes must be >= 1"):
         calibrate(target, proposer, PROMPTS, method="ngram", batch_sizes=(0,))
 
