@@ -1,11 +1,10 @@
 """`specheads calibrate`: measure where speculation pays for one target and method on this machine.
 
-First every prompt is decoded speculatively for a while, which gives the drafter's τ, per-position acceptance and
-draft depth on this text (a row drafts in a batch exactly what it drafts alone, so these hold at any batch size).
-Then, for each batch size b, b prompts decode together in one engine, once with every row speculating and once
-with every row plain (the proposer still following the text, as between adaptive probes), in interleaved rounds
-so machine drift spreads over both; each run times `steps` engine steps once every row is past its prefill and
-first draft, and the medians are `t_spec(b)` and `t_plain(b)`. The result is a `SpeculationProfile`
+For each batch size b, b prompts decode together in one engine, once with every row speculating and once with
+every row plain (the proposer still following the text, as between adaptive probes), alternating which goes
+first; each run times `steps` engine steps once every row is past its prefill and first draft, and every prompt
+takes a turn at every batch size. The medians are `t_spec(b)` and `t_plain(b)`; τ, the per-position acceptance
+and the draft depth come from the same timed speculative steps. The result is a `SpeculationProfile`
 (`adaptive.py`) that `specheads serve --speculation adaptive` reads.
 """
 
@@ -41,38 +40,33 @@ def calibrate(
     *,
     method: str,
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-    steps: int = 12,
+    steps: int = 24,
     rounds: int = 2,
-    acceptance_tokens: int = 64,
     progress: Callable[[str], None] | None = None,
 ) -> SpeculationProfile:
-    """Measure the drafter's acceptance on every prompt (`acceptance_tokens` new tokens each, speculating), then
-    time speculative and plain steps at each batch size (`steps` per run, `rounds` interleaved runs of each; batch b
-    decodes prompts[i % len(prompts)] for its rows, shifted by b each round so rounds see other text). `progress` is
-    told of each run as it starts."""
+    """Time `steps` speculative and `steps` plain engine steps per run at each batch size. Batch b runs
+    max(rounds, ceil(len(prompts) / b)) times, run r decoding prompts[(r * b + i) % len(prompts)] for its rows, so
+    every batch size sees every prompt; the modes alternate which goes first. τ, the per-position acceptance and the
+    draft depth come from the timed speculative steps (a row drafts in a batch what it drafts alone, so they pool
+    over batch sizes, and they describe the same stretch of text the step times do). `progress` is told of each
+    batch size as it starts."""
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
-    if steps < 1 or rounds < 1 or acceptance_tokens < 2:
-        raise ValueError(f"steps and rounds must be >= 1 and acceptance_tokens >= 2, got steps={steps}, "
-                         f"rounds={rounds}, acceptance_tokens={acceptance_tokens}")
+    if steps < 1 or rounds < 1:
+        raise ValueError(f"steps and rounds must be >= 1, got steps={steps}, rounds={rounds}")
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
-    if progress is not None:
-        progress(f"acceptance on {len(prompts)} prompts")
-    log = _AcceptanceLog()
-    engine = Engine(model, proposer, max_rows=min(len(prompts), sizes[-1]), speculation=log)
-    seqs = [engine.add(p, max_new_tokens=acceptance_tokens) for p in prompts]
-    while any(not s.done for s in seqs):
-        engine.step()
     times: dict[tuple[int, bool], list[float]] = {(b, spec): [] for b in sizes for spec in (False, True)}
-    for r in range(rounds):
-        for b in sizes:
+    log = _AcceptanceLog()
+    for b in sizes:
+        runs = max(rounds, -(-len(prompts) // b))
+        if progress is not None:
+            progress(f"batch {b}: {runs} runs of each mode")
+        for r in range(runs):
+            rows = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
-                if progress is not None:
-                    progress(f"round {r + 1}/{rounds}, batch {b}, {'speculative' if spec else 'plain'}")
-                rows = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
-                times[b, spec] += _time_steps(model, proposer, rows, steps, spec)
+                times[b, spec] += _time_steps(model, proposer, rows, steps, log if spec else NeverSpeculate())
     n = len(log.tokens)
     deepest = max(log.accepted, default=0)
     return SpeculationProfile(
@@ -86,39 +80,42 @@ def calibrate(
 
 
 class _AcceptanceLog(AlwaysSpeculate):
-    """Speculates every step and records each step after the prefill: tokens committed, drafts accepted, depth."""
+    """Speculates every step; while `timing`, records each step: tokens committed, drafts accepted, tree depth."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.accepted: list[int] = []
         self.depths: list[int] = []
-        self._prefilled: set[int] = set()
+        self.timing = False
 
     def observe(self, row: RowState, batch: int, tree: DraftTree, result: VerifyResult) -> None:
-        if id(row) not in self._prefilled:  # the prefill's root-only step
-            self._prefilled.add(id(row))
-            return
-        self.tokens.append(result.num_accepted + 1)
-        self.accepted.append(result.num_accepted)
-        self.depths.append(tree.max_depth)
+        if self.timing:
+            self.tokens.append(result.num_accepted + 1)
+            self.accepted.append(result.num_accepted)
+            self.depths.append(tree.max_depth)
 
 
 def _time_steps(model: PreTrainedModel, proposer: Proposer, prompts: list[Sequence[int]], steps: int,
-                spec: bool) -> list[float]:
+                policy: AlwaysSpeculate) -> list[float]:
     """The times of `steps` engine steps over `prompts` decoding together (no stop tokens, so no row ends early)."""
-    engine = Engine(model, proposer, max_rows=len(prompts), speculation=None if spec else NeverSpeculate())
+    engine = Engine(model, proposer, max_rows=len(prompts), speculation=policy)
     seqs = [engine.add(p, max_new_tokens=16 * (steps + 2)) for p in prompts]
     engine.step()  # prefill every row
     engine.step()  # the first draft (a proposer's start-up work) stays out of the timing
     seconds = []
+    timed = isinstance(policy, _AcceptanceLog)
     for _ in range(steps):
         if any(s.done for s in seqs):
             break
         device_sync(engine.device)
+        if timed:
+            policy.timing = True
         start = time.perf_counter()
         engine.step()
         device_sync(engine.device)
         seconds.append(time.perf_counter() - start)
+        if timed:
+            policy.timing = False
     engine.abort()  # the rows end here: their proposers free what they hold (e.g. rows of a shared head cache)
     if not seconds:
         raise ValueError("the calibration prompts ended before any step was timed; use a model with a longer context")

@@ -470,10 +470,9 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-category", type=int, metavar="N", default=2, help="first N questions of every category (default 2)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16], metavar="B,B,...",
                    help="batch sizes to measure (default 1,2,4,8,16; serve's --max-batch should not exceed the largest)")
-    p.add_argument("--steps", type=int, default=12, help="timed steps per run (default 12)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved runs of each mode and batch size (default 2)")
-    p.add_argument("--acceptance-tokens", type=int, default=64, metavar="N",
-                   help="new tokens per prompt for measuring τ and per-position acceptance (default 64)")
+    p.add_argument("--steps", type=int, default=24, help="timed steps per run (default 24)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="the fewest runs of each mode per batch size; more where needed to cover every prompt (default 2)")
     p.add_argument("--output", type=Path, required=True, help="the JSON file to write")
     _add_model_setting(p)
     p.set_defaults(func=_run_calibrate)
@@ -494,14 +493,14 @@ def _run_calibrate(args: argparse.Namespace) -> None:
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
     proposer, label = _method(args, model, tokenizer)
     prompts = [render_chat(tokenizer, [q.turns[0]]) for q in questions]
-    bar = tqdm(total=1 + 2 * args.rounds * len(set(args.batch_sizes)), desc="calibrating", unit="run")
+    bar = tqdm(total=len(set(args.batch_sizes)), desc="calibrating", unit="batch size")
 
     def progress(what: str) -> None:
         bar.set_postfix_str(what)
         bar.update(1)
 
     profile = calibrate(model, proposer, prompts, method=label, batch_sizes=args.batch_sizes, steps=args.steps,
-                        rounds=args.rounds, acceptance_tokens=args.acceptance_tokens, progress=progress)
+                        rounds=args.rounds, progress=progress)
     bar.close()
     profile.save(args.output)
     print(f"{label} on {profile.machine}")

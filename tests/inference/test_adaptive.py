@@ -195,22 +195,38 @@ def test_an_adaptive_engine_drafts_only_at_the_batch_sizes_that_pay(target):
 # --- calibrate ------------------------------------------------------------------------------------------------------
 
 
-def test_calibrate_times_each_batch_size(target):
+class _Record(AlwaysSpeculate):
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []  # (accepted, tree depth) of each step, the prefill first
+
+    def observe(self, row, batch, tree, result) -> None:
+        self.steps.append((result.num_accepted, tree.max_depth))
+
+
+def test_calibrate_times_each_batch_size_and_measures_acceptance_on_the_timed_steps(target):
     proposer = DraftModelProposer(perturbed_copy(target, 0.02))
     seen = []
-    profile = calibrate(target, proposer, PROMPTS[:3], method="draft", batch_sizes=(2, 1), steps=3, rounds=2,
+    steps = 3
+    profile = calibrate(target, proposer, PROMPTS[:3], method="draft", batch_sizes=(2, 1), steps=steps, rounds=2,
                         progress=seen.append)
-    assert [c.batch for c in profile.costs] == [1, 2]
-    assert len(seen) == 1 + 2 * 2 * 2  # the acceptance pass, then rounds x batch sizes x modes
+    assert [c.batch for c in profile.costs] == [1, 2] and len(seen) == 2
     assert profile.machine_key == machine_key(target) and profile.method == "draft"
     assert all(c.plain_step_s > 0 and c.spec_step_s > 0 for c in profile.costs)
-    # the drafter's acceptance, as the same prompts decoded alone show it
-    alone = [Engine(target, DraftModelProposer(perturbed_copy(target, 0.02))).generate(p, max_new_tokens=64).stats
-             for p in PROMPTS[:3]]
-    assert profile.tau == pytest.approx(sum(s.new_tokens - 1 for s in alone) / sum(s.steps - 1 for s in alone))
-    assert 3.5 < profile.mean_depth <= 4  # DraftConfig's depth, less in the last steps, where few tokens are left
-    assert profile.accept_per_position[0] == pytest.approx(
-        sum(s.accepted_at_least[0] for s in alone) / sum(s.steps - 1 for s in alone), abs=1e-4)
+    # Batch 1 runs each of the 3 prompts, batch 2 runs rows (0, 1) and (2, 0); each row's timed steps are its steps
+    # 3 .. steps + 2 (after the prefill and the first draft), which it drafts and accepts as it does alone.
+    alone = {}
+    for i in range(3):
+        record = _Record()
+        engine = Engine(target, DraftModelProposer(perturbed_copy(target, 0.02)), speculation=record)
+        engine.add(PROMPTS[i], max_new_tokens=16 * (steps + 2))
+        for _ in range(steps + 2):
+            engine.step()
+        engine.abort()
+        alone[i] = record.steps[2:]
+    timed = [step for i in (0, 1, 2, 0, 1, 2, 0) for step in alone[i]]
+    assert profile.tau == pytest.approx(sum(a + 1 for a, _ in timed) / len(timed))
+    assert profile.mean_depth == pytest.approx(sum(d for _, d in timed) / len(timed))
+    assert profile.accept_per_position[0] == pytest.approx(sum(a > 0 for a, _ in timed) / len(timed), abs=1e-4)
     with pytest.raises(ValueError, match="batch sizes must be >= 1"):
         calibrate(target, proposer, PROMPTS, method="ngram", batch_sizes=(0,))
 
