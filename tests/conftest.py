@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,18 @@ def _verify_cost_cache(tmp_path_factory, monkeypatch):
 
 # A tree of 8 nodes costs 1.2 one-token steps, 32 nodes 1.8: trees pay when drafts are accepted at all.
 TEST_VERIFY_COST = VerifyCost(nodes=(1, 2, 4, 8, 16, 32, 64), seconds=(0.010, 0.0105, 0.011, 0.012, 0.014, 0.018, 0.026))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Forget accelerate's process-wide state after each test: a recipe run in this process leaves it set, and the
+    next run's `Accelerator` may not change it (e.g. `mixed_precision=auto` chose bf16 on a CPU with native bf16,
+    and the next run asks for fp32)."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
 
 
 @pytest.fixture
