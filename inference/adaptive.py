@@ -9,8 +9,9 @@ target and method on this machine (`SpeculationProfile`, a small JSON), and `Ada
 decides before each step, row by row:
 
 1. above `max_batch`, the largest batch at which the calibrated τ beat the break-even, every row steps plainly;
-2. a row whose running τ (an average of its recent speculative steps) fell below the break-even at the current
-   batch steps plainly for `probe_every` steps, then probes with one speculative step;
+2. a row whose running τ (an average over its recent steps that were allowed to draft, whether or not the proposer
+   found anything to draft) fell below the break-even at the current batch steps plainly for `probe_every` steps,
+   then probes with one speculative step;
 3. otherwise it drafts, as deep as the observed per-position acceptance pays for: draft level d is kept while the
    share of steps accepting at least d tokens exceeds the cost of one draft level at this batch,
    (break-even - 1) / mean draft depth. Every `probe_every`-th capped step drafts uncapped, so deeper levels keep
@@ -56,6 +57,7 @@ class RowState:
 
     tau: float = 0.0  # running τ of its speculative steps
     plain_left: int = 0  # plain steps before its next probe
+    allowed: bool = False  # whether its current step may draft (the proposer may still draft nothing)
 
 
 class AlwaysSpeculate:
@@ -86,7 +88,7 @@ class NeverSpeculate(AlwaysSpeculate):
 
 @dataclass(frozen=True)
 class BatchCost:
-    """One batch size's step times: medians with every row speculating and with every row plain."""
+    """One batch size's step times: means with every row speculating and with every row plain."""
 
     batch: int
     plain_step_s: float
@@ -218,11 +220,13 @@ class AdaptiveSpeculation:
         return batch <= self.profile.max_batch
 
     def depth(self, row: RowState, batch: int) -> int | None:
+        row.allowed = False
         if not self.enabled(batch):
             return 0
         if row.plain_left > 0:
             row.plain_left -= 1
             return 0
+        row.allowed = True
         return self._depth_cap(batch)
 
     def _depth_cap(self, batch: int) -> int | None:
@@ -240,14 +244,18 @@ class AdaptiveSpeculation:
         return None if self._capped % self.probe_every == 0 else max(cap, 1)
 
     def observe(self, row: RowState, batch: int, tree: DraftTree, result: VerifyResult) -> None:
-        if tree.size == 1:
-            return  # a plain step says nothing about the drafter
+        if not row.allowed:
+            return  # a step it made plain says nothing about the drafter
+        # A step the proposer left plain counts: the calibration's τ and step times count such steps too, so the
+        # running τ and the break-even compare like with like.
         tokens = result.num_accepted + 1
         row.tau = (1 - self.tau_weight) * row.tau + self.tau_weight * tokens
         if row.tau < self.profile.break_even(batch):
             row.plain_left = self.probe_every
-        keep = 1.0 - 1.0 / self.memory
         depth = tree.max_depth
+        if depth == 0:
+            return
+        keep = 1.0 - 1.0 / self.memory
         if depth > len(self._reach):
             self._reach += [0.0] * (depth - len(self._reach))
             self._hit += [0.0] * (depth - len(self._hit))

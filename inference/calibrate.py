@@ -3,7 +3,9 @@
 For each batch size b, b prompts decode together in one engine, once with every row speculating and once with
 every row plain (the proposer still following the text, as between adaptive probes), alternating which goes
 first; each run times `steps` engine steps once every row is past its prefill and first draft, and every prompt
-takes a turn at every batch size. The medians are `t_spec(b)` and `t_plain(b)`; τ, the per-position acceptance
+takes a turn at every batch size. The mean step times are `t_spec(b)` and `t_plain(b)` (means, not medians:
+throughput is tokens over total time, and a drafter that drafts on a third of the steps makes a speculative
+step's median a plain step's); τ, the per-position acceptance
 and the draft depth come from the same timed speculative steps. The result is a `SpeculationProfile`
 (`adaptive.py`) that `specheads serve --speculation adaptive` reads.
 """
@@ -74,8 +76,8 @@ def calibrate(
         tau=statistics.fmean(log.tokens),
         accept_per_position=tuple(round(sum(a > i for a in log.accepted) / n, 4) for i in range(deepest)),
         mean_depth=statistics.fmean(log.depths),
-        costs=tuple(BatchCost(batch=b, plain_step_s=statistics.median(times[b, False]),
-                              spec_step_s=statistics.median(times[b, True])) for b in sizes),
+        costs=tuple(BatchCost(batch=b, plain_step_s=statistics.fmean(times[b, False]),
+                              spec_step_s=statistics.fmean(times[b, True])) for b in sizes),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 

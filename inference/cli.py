@@ -528,7 +528,7 @@ def _add_loadtest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16], metavar="C,C,...",
                    help="concurrency levels (default 1,2,4,8,16)")
     p.add_argument("--requests", type=int, default=2, metavar="K",
-                   help="requests per level: K per client, at least 8 (default 2)")
+                   help="requests per level: K per client, and at least one per prompt (default 2)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer (default 64)")
     p.add_argument("--api-key", help="bearer token, if the servers have one (default: $SPECHEADS_API_KEY if set)")
     p.add_argument("--output", type=Path, help="write every level's figures (and the answers) to this JSON file")
@@ -552,7 +552,7 @@ def _run_loadtest(args: argparse.Namespace) -> None:
     if args.requests < 1 or args.max_tokens < 1:
         raise ValueError("--requests and --max-tokens must be >= 1")
     prompts = [q.turns[0] for q in load_questions(args.questions, per_category=args.per_category)]
-    results = loadtest(servers, prompts, concurrency=args.concurrency, requests=lambda c: max(8, args.requests * c),
+    results = loadtest(servers, prompts, concurrency=args.concurrency, requests=lambda c: max(len(prompts), args.requests * c),
                        max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("SPECHEADS_API_KEY"),
                        progress=lambda what: print(what, file=sys.stderr, flush=True))
     print(f"{'server':<10} {'conc':>4} {'req/s':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6} {'ttft p50':>8} "

@@ -123,8 +123,12 @@ def test_a_row_below_break_even_steps_plainly_then_probes_again():
     policy.observe(row, 2, chain(3), accepted(3))  # a good probe lifts τ above break-even: the row drafts on
     assert row.tau > PROFILE.break_even(2) and policy.depth(row, 2) != 0
     before = row.tau
-    policy.observe(row, 2, DraftTree.root_only(5), accepted(0))  # a plain step says nothing about the drafter
-    assert row.tau == before
+    policy.observe(row, 2, DraftTree.root_only(5), accepted(0))  # allowed to draft, the proposer found nothing:
+    assert row.tau == pytest.approx(0.75 * before + 0.25)  # a step of τ 1 counts, as it does in the calibration
+    before = row.tau
+    assert policy.depth(row, 4) == 0  # above the batch threshold: a plain step the policy chose ...
+    policy.observe(row, 4, DraftTree.root_only(5), accepted(0))
+    assert row.tau == before  # ... says nothing about the drafter
 
 
 def test_the_draft_depth_follows_the_observed_acceptance_per_position():
