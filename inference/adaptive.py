@@ -88,7 +88,7 @@ class NeverSpeculate(AlwaysSpeculate):
 
 @dataclass(frozen=True)
 class BatchCost:
-    """One batch size's step times: means with every row speculating and with every row plain."""
+    """One batch size's step times with every row speculating and with every row plain (medians of run means)."""
 
     batch: int
     plain_step_s: float

@@ -3,9 +3,10 @@
 For each batch size b, b prompts decode together in one engine, once with every row speculating and once with
 every row plain (the proposer still following the text, as between adaptive probes), alternating which goes
 first; each run times `steps` engine steps once every row is past its prefill and first draft, and every prompt
-takes a turn at every batch size. The mean step times are `t_spec(b)` and `t_plain(b)` (means, not medians:
-throughput is tokens over total time, and a drafter that drafts on a third of the steps makes a speculative
-step's median a plain step's); τ, the per-position acceptance
+takes a turn at every batch size. `t_spec(b)` and `t_plain(b)` are the medians over runs of each run's mean step
+time (a mean within a run, since throughput is tokens over total time and a drafter that drafts on a third of the
+steps would make a speculative step's median a plain step's; a median over runs, so one disturbed run does not
+move it); τ, the per-position acceptance
 and the draft depth come from the same timed speculative steps. The result is a `SpeculationProfile`
 (`adaptive.py`) that `specheads serve --speculation adaptive` reads.
 """
@@ -43,7 +44,7 @@ def calibrate(
     method: str,
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     steps: int = 24,
-    rounds: int = 2,
+    rounds: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> SpeculationProfile:
     """Time `steps` speculative and `steps` plain engine steps per run at each batch size. Batch b runs
@@ -59,7 +60,7 @@ def calibrate(
         raise ValueError(f"steps and rounds must be >= 1, got steps={steps}, rounds={rounds}")
     if not prompts:
         raise ValueError("calibration needs at least one prompt")
-    times: dict[tuple[int, bool], list[float]] = {(b, spec): [] for b in sizes for spec in (False, True)}
+    times: dict[tuple[int, bool], list[float]] = {(b, spec): [] for b in sizes for spec in (False, True)}  # run means
     log = _AcceptanceLog()
     for b in sizes:
         runs = max(rounds, -(-len(prompts) // b))
@@ -68,7 +69,8 @@ def calibrate(
         for r in range(runs):
             rows = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
-                times[b, spec] += _time_steps(model, proposer, rows, steps, log if spec else NeverSpeculate())
+                seconds = _time_steps(model, proposer, rows, steps, log if spec else NeverSpeculate())
+                times[b, spec].append(statistics.fmean(seconds))
     n = len(log.tokens)
     deepest = max(log.accepted, default=0)
     return SpeculationProfile(
@@ -76,8 +78,8 @@ def calibrate(
         tau=statistics.fmean(log.tokens),
         accept_per_position=tuple(round(sum(a > i for a in log.accepted) / n, 4) for i in range(deepest)),
         mean_depth=statistics.fmean(log.depths),
-        costs=tuple(BatchCost(batch=b, plain_step_s=statistics.fmean(times[b, False]),
-                              spec_step_s=statistics.fmean(times[b, True])) for b in sizes),
+        costs=tuple(BatchCost(batch=b, plain_step_s=statistics.median(times[b, False]),
+                              spec_step_s=statistics.median(times[b, True])) for b in sizes),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 

@@ -471,8 +471,8 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16], metavar="B,B,...",
                    help="batch sizes to measure (default 1,2,4,8,16; serve's --max-batch should not exceed the largest)")
     p.add_argument("--steps", type=int, default=24, help="timed steps per run (default 24)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="the fewest runs of each mode per batch size; more where needed to cover every prompt (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="the fewest runs of each mode per batch size; more where needed to cover every prompt (default 3)")
     p.add_argument("--output", type=Path, required=True, help="the JSON file to write")
     _add_model_setting(p)
     p.set_defaults(func=_run_calibrate)
