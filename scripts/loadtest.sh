@@ -7,7 +7,7 @@
 #      figure and answer to OUT/loadtest.json. The servers stop when the script ends.
 #
 #   scripts/loadtest.sh eagle --heads runs/eagle/final        # METHOD [its options], as serve takes them
-#   QUESTIONS=q.jsonl OUT=runs/lt CONCURRENCY=1,4 MAX_TOKENS=32 MAX_BATCH=8 scripts/loadtest.sh ngram
+#   QUESTIONS=q.jsonl OUT=runs/lt CONCURRENCY=1,4 REQUESTS=4 MAX_TOKENS=32 MAX_BATCH=8 scripts/loadtest.sh ngram
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ $# -lt 1 ]]; then
@@ -51,5 +51,6 @@ done
 echo "==> load test"
 "$specheads" loadtest --server "on=http://127.0.0.1:$port" --server "off=http://127.0.0.1:$((port + 1))" \
     --server "adaptive=http://127.0.0.1:$((port + 2))" --questions "$questions" \
-    --concurrency "${CONCURRENCY:-1,2,4,8,16}" --max-tokens "${MAX_TOKENS:-64}" --output "$out/loadtest.json" \
+    --concurrency "${CONCURRENCY:-1,2,4,8,16}" --requests "${REQUESTS:-2}" --max-tokens "${MAX_TOKENS:-64}" \
+    --output "$out/loadtest.json" \
     | tee "$out/loadtest.txt"
