@@ -204,10 +204,12 @@ class AdaptiveSpeculation:
     _reach: list[float] = field(default_factory=list, init=False)  # [d-1]: steps whose tree reached depth d
     _hit: list[float] = field(default_factory=list, init=False)  # [d-1]: those that accepted at least d tokens
     _capped: int = field(default=0, init=False)
+    _max_batch: int = field(default=0, init=False)  # the profile's, asked once per row and step
 
     def __post_init__(self) -> None:
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        self._max_batch = self.profile.max_batch
         shares = self.profile.accept_per_position
         self._reach = [self.prior_steps] * len(shares)
         self._hit = [self.prior_steps * s for s in shares]
@@ -217,7 +219,7 @@ class AdaptiveSpeculation:
         row.plain_left = 0
 
     def enabled(self, batch: int) -> bool:
-        return batch <= self.profile.max_batch
+        return batch <= self._max_batch
 
     def depth(self, row: RowState, batch: int) -> int | None:
         row.allowed = False

@@ -151,5 +151,10 @@ def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dty
         pad = torch.arange(n, width)
         visible[b, pad, :length] = False
         visible[b, pad, length + pad] = True
+    return additive_mask(visible, dtype, device)
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[B, W, S] bool (query sees key) -> [B, 1, W, S] additive attention mask."""
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[:, None].to(device)

@@ -90,12 +90,11 @@ def _run_generate(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specheads.inference.engine import Engine
-    from specheads.inference.methods import make_proposer
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, render_chat, stop_token_ids
 
-    options = METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
+    options = _options(args)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -116,8 +115,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
 
-    load_draft = _draft_loader(model, tokenizer, args)
-    engine = Engine(model, make_proposer(args.method, model, options, load_draft))
+    engine = Engine(model, _method(args, options, model, tokenizer)[0])
     stops = stop_token_ids(tokenizer, model)
 
     def answer(question_id, turns: list[str], sample: int, stream: bool):
@@ -378,11 +376,15 @@ def _add_model_setting(p: argparse.ArgumentParser) -> None:
     _add_adapter(p)
 
 
-def _method(args: argparse.Namespace, model, tokenizer):
-    """The proposer `--method` and its options name, and its label (`method_label`)."""
+def _options(args: argparse.Namespace):
+    """`--method`'s options from the flags (checked: a flag the method does not take is refused)."""
+    return METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
+
+
+def _method(args: argparse.Namespace, options, model, tokenizer):
+    """The proposer `--method` and `options` name, and its label (`method_label`)."""
     from specheads.inference.methods import make_proposer, method_label
 
-    options = METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
     return make_proposer(args.method, model, options, _draft_loader(model, tokenizer, args)), \
         method_label(args.method, options)
 
@@ -403,7 +405,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     from specheads.inference.verify_cost import machine_key
     from specheads.target import load_target, stop_token_ids
 
-    METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})  # check first
+    options = _options(args)  # checked before anything loads
     mode = args.speculation or ("adaptive" if args.calibration else "on")
     if mode == "adaptive" and args.calibration is None:
         raise ValueError("--speculation adaptive needs --calibration JSON; write one with `specheads calibrate` "
@@ -417,7 +419,7 @@ def _run_serve(args: argparse.Namespace) -> None:
                               max_body_bytes=args.max_body_bytes)
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
-    proposer, label = _method(args, model, tokenizer)
+    proposer, label = _method(args, options, model, tokenizer)
     if profile is not None:
         check_profile(profile, method=label, machine_key=machine_key(model), source=str(args.calibration))
         if profile.max_batch == 0:  # no step will draft: decode plainly, without the drafter's per-step upkeep
@@ -485,13 +487,13 @@ def _run_calibrate(args: argparse.Namespace) -> None:
     from specheads.questions import load_questions
     from specheads.target import load_target, render_chat
 
-    METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})  # check first
+    options = _options(args)  # checked before anything loads
     questions = load_questions(args.questions, per_category=args.per_category)
     if args.output.is_dir():
         raise ValueError(f"--output {args.output} is a folder; name the JSON file to write")
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
-    proposer, label = _method(args, model, tokenizer)
+    proposer, label = _method(args, options, model, tokenizer)
     prompts = [render_chat(tokenizer, [q.turns[0]]) for q in questions]
     bar = tqdm(total=len(set(args.batch_sizes)), desc="calibrating", unit="batch size")
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
 from specheads.heads.eagle import KIND_NAME
-from specheads.inference.batch_cache import BatchKVCache
+from specheads.inference.batch_cache import BatchKVCache, additive_mask
 from specheads.inference.context_vocab import ContextVocabulary
 from specheads.inference.methods import Method, option, register_method
 from specheads.inference.node_budget import node_budget
@@ -245,11 +245,6 @@ def _visible_own_slots(cache: BatchKVCache, lo: int, count: int, width: int) -> 
     return visible
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # [B, W, S] -> [B,1,W,S]
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[:, None].to(device)
-
-
 def _feed(head: nn.Module, cache: BatchKVCache, row_ids: list[int],
           pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Feed each row's pending pairs (features [m, D], tokens [m]) causally after its committed pairs and commit
@@ -267,7 +262,7 @@ def _feed(head: nn.Module, cache: BatchKVCache, row_ids: list[int],
         tokens[w, :m], feats[w, :m] = t, f.to(dtype)
         visible[w, :m, :length] = True
         visible[w, :m, length : length + m] = torch.ones(m, m, dtype=torch.bool).tril()
-    out = head(tokens, feats, positions, _additive(visible, dtype, dev), cache)  # [count, width, H]
+    out = head(tokens, feats, positions, additive_mask(visible, dtype, dev), cache)  # [count, width, H]
     last = []
     for w, (_, t) in zip(at.tolist(), pairs):
         cache.commit(lo + w, torch.arange(t.shape[0]))
@@ -320,6 +315,7 @@ def _expand(rows: list[EagleProposer], root_hidden: torch.Tensor, roots: list[in
     below = first.stop_below() if first.stop_below is not None else 0.0
     floor = math.log(below) if below > 0 else None
     batch = torch.arange(b_rows, device=dev)
+    committed_at = committed.tolist()  # host copies, read every level
     for d in range(2, int(depth.max()) + 1):
         level_scores = scores[-1]  # [B, n]
         active &= depth >= d
@@ -339,10 +335,10 @@ def _expand(rows: list[EagleProposer], root_hidden: torch.Tensor, roots: list[in
         visible_rows[:, :, fed:] = torch.eye(e, dtype=torch.bool, device=dev)
         seen = torch.cat([torch.nn.functional.pad(seen, (0, e)), visible_rows], dim=1)
         visible = _visible_own_slots(cache, lo, count, e)
-        for b, w in enumerate(at.tolist()):  # the row's committed pairs and its fed tree nodes
-            c = int(committed[b])
+        tree_part = visible_rows.cpu()  # one transfer per level
+        for b, (w, c) in enumerate(zip(at.tolist(), committed_at)):  # the row's committed pairs and fed tree nodes
             visible[w, :, :c] = True
-            visible[w, :, c : c + fed + e] = visible_rows[b].cpu()
+            visible[w, :, c : c + fed + e] = tree_part[b]
         pos = torch.zeros(count, e, dtype=torch.long, device=dev)
         pos[at] = (committed + d - 2)[:, None].expand(-1, e)
         tok_in = torch.zeros(count, e, dtype=torch.long, device=dev)
@@ -350,7 +346,7 @@ def _expand(rows: list[EagleProposer], root_hidden: torch.Tensor, roots: list[in
         feat_in = parent_hidden.new_zeros(count, e, parent_hidden.shape[-1])
         feat_in[at] = parent_hidden.gather(1, expand[:, :, None].expand(-1, -1, parent_hidden.shape[-1]))
         # Feed (predicted feature of the node's parent, node token) for each expanded node.
-        h = first.head(tok_in, feat_in, pos, _additive(visible, parent_hidden.dtype, dev), cache)[at]  # [B, E, H]
+        h = first.head(tok_in, feat_in, pos, additive_mask(visible, parent_hidden.dtype, dev), cache)[at]  # [B, E, H]
         for r in row_ids:
             cache.commit(r, torch.arange(e))  # the level's entries, seen by the next levels; rolled back at the end
         top = _scores(rows, h).topk(k, dim=-1)  # [B, E, k]
