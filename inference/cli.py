@@ -402,7 +402,7 @@ def _run_serve(args: argparse.Namespace) -> None:
     from specheads.inference.proposers.base import AutoregressiveProposer
     from specheads.inference.server import ServerSettings, create_app
     from specheads.inference.service import GenerationService, ServiceLimits
-    from specheads.inference.verify_cost import machine_key
+    from specheads.inference.verify_cost import machine_key, prepare_verify_costs
     from specheads.target import load_target, stop_token_ids
 
     options = _options(args)  # checked before anything loads
@@ -420,6 +420,8 @@ def _run_serve(args: argparse.Namespace) -> None:
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
     proposer, label = _method(args, options, model, tokenizer)
+    if args.method != "ar":
+        prepare_verify_costs(model, args.max_batch)
     if profile is not None:
         check_profile(profile, method=label, machine_key=machine_key(model), source=str(args.calibration))
         if profile.max_batch == 0:  # no step will draft: decode plainly, without the drafter's per-step upkeep
@@ -484,6 +486,7 @@ def _run_calibrate(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     from specheads.inference.calibrate import calibrate
+    from specheads.inference.verify_cost import prepare_verify_costs
     from specheads.questions import load_questions
     from specheads.target import load_target, render_chat
 
@@ -494,6 +497,8 @@ def _run_calibrate(args: argparse.Namespace) -> None:
     model, tokenizer = load_target(args.target, device=args.device, dtype=args.dtype,
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
     proposer, label = _method(args, options, model, tokenizer)
+    if args.method != "ar":
+        prepare_verify_costs(model, max(args.batch_sizes))
     prompts = [render_chat(tokenizer, [q.turns[0]]) for q in questions]
     bar = tqdm(total=len(set(args.batch_sizes)), desc="calibrating", unit="batch size")
 

@@ -81,6 +81,27 @@ def tree_forward(
     )
 
 
+def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[DraftTree], first_row: int = 0, *,
+                  output_hidden_states: bool = False):
+    """One forward over rows first_row .. first_row + len(trees) - 1 of `cache`, row b's input `trees[b]` padded to the
+    widest tree (positions = the row's length + depth); nothing is committed."""
+    device = model_device(model)
+    lengths = cache.lengths[first_row : first_row + len(trees)]
+    width = max(t.size for t in trees)
+    tokens = torch.zeros(len(trees), width, dtype=torch.long)
+    positions = torch.zeros(len(trees), width, dtype=torch.long)
+    for b, (tree, length) in enumerate(zip(trees, lengths)):
+        tokens[b, : tree.size] = tree.tokens.cpu()
+        positions[b, : tree.size] = tree.depths.cpu() + length
+        positions[b, tree.size :] = length  # padding: its outputs are never read
+    # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
+    # anything else needs ours.
+    mask = None if len(trees) == 1 and trees[0].is_chain else batch_tree_mask(trees, lengths, model.dtype, device)
+    return model(input_ids=tokens.to(device), position_ids=positions.to(device), attention_mask=mask,
+                 output_hidden_states=output_hidden_states,
+                 **cache_kwargs(model, cache.window(first_row, len(trees))))
+
+
 _checked_models: weakref.WeakSet = weakref.WeakSet()  # models that passed; weak so ids are never reused
 
 
@@ -336,22 +357,8 @@ class Engine:
         cache = self._cache
         first = seqs[0].row
         assert [s.row for s in seqs] == list(range(first, first + len(seqs))), "running rows must be consecutive"
-        trees = [s.tree for s in seqs]
-        lengths = cache.lengths[first : first + len(seqs)]
-        width = max(t.size for t in trees)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-        positions = torch.zeros(len(seqs), width, dtype=torch.long)
-        for b, (tree, length) in enumerate(zip(trees, lengths)):
-            tokens[b, : tree.size] = tree.tokens.cpu()
-            positions[b, : tree.size] = tree.depths.cpu() + length
-            positions[b, tree.size :] = length  # padding: its outputs are never read
-        # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
-        # anything else needs ours.
-        mask = None if len(seqs) == 1 and trees[0].is_chain else batch_tree_mask(trees, lengths, self.model.dtype,
-                                                                                   self.device)
         needs_hidden = any(s.proposer.needs_target_hidden for s in seqs)
-        out = self.model(input_ids=tokens.to(self.device), position_ids=positions.to(self.device), attention_mask=mask,
-                         output_hidden_states=needs_hidden, **cache_kwargs(self.model, cache.window(first, len(seqs))))
+        out = batch_forward(self.model, cache, [s.tree for s in seqs], first, output_hidden_states=needs_hidden)
         for b, seq in enumerate(seqs):
             n = seq.tree.size
             seq.hidden = tuple(h[b : b + 1, :n] for h in out.hidden_states) if needs_hidden else None
@@ -411,7 +418,8 @@ class Engine:
             if cap == 0 or ctx.max_depth == 0:
                 seq.tree = DraftTree.root_only(ctx.tokens[-1])
                 continue
-            drafting.append((seq, ctx if cap is None or cap >= ctx.max_depth else replace(ctx, max_depth=cap)))
+            depth = ctx.max_depth if cap is None else min(cap, ctx.max_depth)
+            drafting.append((seq, replace(ctx, max_depth=depth, batch=len(seqs))))
         if not drafting:
             return
         start = time.perf_counter()

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from specheads.inference.proposers.base import ProposalContext, Proposer, finish, fork, propose_rows
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.inference.verify_cost import VerifyCost, verify_cost
+from specheads.inference.verify_cost import VerifyCost, VerifyCosts
 
 NODE_BUDGETS = ("auto", "fixed")  # the first is the default
 NODE_BUDGET_HELP = (f"{', '.join(NODE_BUDGETS)}: per step verify only the drafted nodes worth their verify cost on this "
@@ -63,18 +63,31 @@ class Calibration:
 
 
 class NodeBudget:
-    """Prunes each drafted tree to the node count that maximises expected tokens per second."""
+    """Prunes drafted trees to the node count that maximises expected tokens per second.
 
-    def __init__(self, cost: VerifyCost, calibrate: bool = True, memory: int = 8) -> None:
-        self.cost = cost
+    In a batch the rows' trees are chosen together: the forward pads every row to the widest tree, so a width W costs
+    every row the verify time of W nodes at that batch size, and is worth it only if the drafted nodes the rows keep
+    within it bring enough: the choice maximises (rows + the kept nodes' acceptance probabilities) / verify time(W,
+    rows), and each tree keeps its W most probable nodes. A lone row (a batch of one) is the rule of the module doc.
+    """
+
+    def __init__(self, cost: VerifyCost | VerifyCosts, calibrate: bool = True, memory: int = 8) -> None:
+        self.costs = cost if isinstance(cost, VerifyCosts) else VerifyCosts(fixed=cost)
         self.calibration = Calibration() if calibrate else None
-        self._table = cost.table()  # [M + 1] relative cost of an n-node verify
+        self._tables: dict[int, torch.Tensor] = {}  # batch -> [M + 1] relative cost of an n-node verify
         self._weakest: deque[float] = deque(maxlen=memory)  # per recent step: raw estimate of the weakest kept node
 
-    def _relative(self, n: int) -> torch.Tensor:  # [n]: entries 1..n of the cost table, extended if needed
-        if n >= self._table.shape[0]:
-            self._table = self.cost.table([2 * n])
-        return self._table[1: n + 1]
+    @property
+    def cost(self) -> VerifyCost:
+        """The verify cost curve of a lone row."""
+        return self.costs.at(1)
+
+    def _relative(self, n: int, batch: int) -> torch.Tensor:  # [n]: entries 1..n of the cost table, extended if needed
+        table = self._tables.get(batch)
+        if table is None or n >= table.shape[0]:
+            cost = self.costs.at(batch)
+            table = self._tables[batch] = cost.table([max(2 * n, cost.nodes[-1])])
+        return table[1: n + 1]
 
     def expected(self, tree: DraftTree) -> torch.Tensor:
         """[N] calibrated acceptance probability of each node, never above its parent's (root 1)."""
@@ -87,24 +100,50 @@ class NodeBudget:
             probs[level] = torch.minimum(probs[level], probs[parents[level]])
         return probs
 
-    def choose(self, tree: DraftTree) -> DraftTree:
-        """The subtree worth verifying (the tree itself when it has no estimates)."""
-        if tree.accept_probs is None or tree.size == 1:
-            return tree
-        probs = self.expected(tree)
-        # Most probable first; ties go to the lower index, a parent before its child, so every prefix of
-        # `order` is ancestor-closed (probabilities never grow along a path).
-        order = torch.sort(probs[1:], descending=True, stable=True).indices + 1  # [N-1]
-        gain = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + probs[order].cumsum(0)])  # [N]: K = 1..N nodes
-        rate = gain / self._relative(tree.size)
-        k = int(torch.argmax(rate))  # the first maximum: the smaller tree on a tie
+    def choose(self, tree: DraftTree, batch: int = 1) -> DraftTree:
+        """The subtree worth verifying (the tree itself when it has no estimates), for a row of a `batch`-row verify
+        in which no other row drafts."""
+        return self.choose_rows([tree], batch)[0]
+
+    def choose_rows(self, trees: Sequence[DraftTree], batch: int = 1) -> list[DraftTree]:
+        """The subtrees worth verifying for rows that verify together with `batch` - len(trees) plain rows (a tree
+        without estimates is kept whole, and the others may then fill its width)."""
+        batch = max(batch, len(trees))
+        whole = 1  # the widest tree that must be verified whole
+        ranked = []  # (row, order, calibrated probabilities in that order) of the trees with estimates
+        for i, tree in enumerate(trees):
+            if tree.accept_probs is None:
+                whole = max(whole, tree.size)
+            elif tree.size > 1:
+                probs = self.expected(tree)
+                # Most probable first; ties go to the lower index, a parent before its child, so every prefix of
+                # `order` is ancestor-closed (probabilities never grow along a path).
+                order = torch.sort(probs[1:], descending=True, stable=True).indices + 1  # [N-1]
+                ranked.append((i, order, probs[order]))
+        if not ranked:
+            return list(trees)
+        top = max(t.size for t in trees)
+        gain = torch.full((top,), float(batch), dtype=torch.float64)  # [W]: tokens expected at width W = 1..top
+        for _, _, probs in ranked:
+            kept = torch.cat([torch.zeros(1, dtype=torch.float64), probs.cumsum(0)])  # [N]: k = 0..N-1 drafted nodes
+            gain[: kept.shape[0]] += kept
+            gain[kept.shape[0]:] += kept[-1]
+        rate = gain / self._relative(top, batch)
+        rate[: whole - 1] = -torch.inf  # narrower than a tree kept whole: not on offer
+        width = int(torch.argmax(rate)) + 1  # the first maximum: the narrower width on a tie
+        chosen, weakest, best = list(trees), [], []
+        for i, order, _ in ranked:
+            tree = trees[i]
+            k = min(width, tree.size) - 1  # its drafted nodes kept
+            raw = tree.accept_probs[order]
+            best.append(float(raw.max()))
+            if k:
+                weakest.append(float(raw[:k].min()))
+            if k < tree.size - 1:
+                chosen[i] = tree.subtree(torch.cat([torch.zeros(1, dtype=torch.long), order[:k].sort().values]))
         # Nothing below the weakest kept node was worth verifying (nothing at all on a plain step).
-        raw = tree.accept_probs[order]
-        self._weakest.append(float(raw[:k].min()) if k else float(raw.max()) + 1e-9)
-        if k == tree.size - 1:
-            return tree
-        keep = torch.cat([torch.zeros(1, dtype=torch.long), order[:k].sort().values])
-        return tree.subtree(keep)
+        self._weakest.append(min(weakest) if weakest else max(best) + 1e-9)
+        return chosen
 
     def stop_below(self) -> float:
         """Drafting deeper pays only for nodes above this estimate: the weakest node kept in recent steps
@@ -131,7 +170,7 @@ def check_node_budget(choice: str | None) -> None:
 def node_budget(target: PreTrainedModel, choice: str | None) -> NodeBudget | None:
     """The node budget `choice` names, on `target`'s verify cost (None: trees are verified whole)."""
     check_node_budget(choice)
-    return NodeBudget(verify_cost(target)) if (choice or NODE_BUDGETS[0]) == "auto" else None
+    return NodeBudget(VerifyCosts(target)) if (choice or NODE_BUDGETS[0]) == "auto" else None
 
 
 def with_node_budget(proposer: Proposer, budget: NodeBudget | None) -> Proposer:
@@ -159,14 +198,21 @@ class WithNodeBudget:
         self.inner.start(ctx, target_hidden)
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        self._verified = self.budget.choose(self.inner.propose(ctx).truncated(ctx.max_depth))
+        self._verified = self.budget.choose(self.inner.propose(ctx).truncated(ctx.max_depth), ctx.batch)
         return self._verified
 
     @staticmethod
     def propose_many(rows: Sequence[WithNodeBudget], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
-        for r, tree, ctx in zip(rows, propose_rows([r.inner for r in rows], ctxs), ctxs):
-            r._verified = r.budget.choose(tree.truncated(ctx.max_depth))
-        return [r._verified for r in rows]
+        """The rows' trees, chosen together when they share a budget (forks do): they pad one verify forward."""
+        trees = [t.truncated(c.max_depth) for t, c in zip(propose_rows([r.inner for r in rows], ctxs), ctxs)]
+        budget = rows[0].budget
+        if all(r.budget is budget for r in rows):
+            trees = budget.choose_rows(trees, max(c.batch for c in ctxs))
+        else:
+            trees = [r.budget.choose(t, c.batch) for r, t, c in zip(rows, trees, ctxs)]
+        for r, tree in zip(rows, trees):
+            r._verified = tree
+        return trees
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         if self._verified is not None:

@@ -22,6 +22,7 @@ class ProposalContext:
     max_depth: int  # deepest draft worth proposing (remaining new tokens / context room, minus the bonus)
     sampling: SamplingParams
     generator: torch.Generator | None  # on the proposer's device, seeded from the sampling params
+    batch: int = 1  # rows in the verify forward this tree joins (each pays the widest row's tree)
 
 
 @runtime_checkable

@@ -109,3 +109,27 @@ def test_generate_refuses_to_run_beside_sequences_in_flight(target):
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
         Engine(target, AutoregressiveProposer(), max_rows=0)
     assert torch.is_tensor(engine.add(PROMPTS[1], max_new_tokens=2).tokens)
+
+
+class _BatchRecorder(AutoregressiveProposer):
+    """Drafts nothing; records the batch size each draft request names, by step (forks share the record)."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []  # per engine step: ctx.batch of each draft request
+
+    def propose(self, ctx):
+        self.seen[-1].append(ctx.batch)
+        return super().propose(ctx)
+
+
+def test_a_draft_request_names_the_batch_it_verifies_in(target):
+    proposer = _BatchRecorder()
+    engine = Engine(target, proposer, max_rows=3)
+    seqs = [engine.add(p, max_new_tokens=m) for p, m in zip(PROMPTS[:4], MAX_NEW[:4])]
+    while any(not s.done for s in seqs):
+        proposer.seen.append([])
+        verifying = engine.num_running  # rows prefilled in earlier steps: this step drafts for them
+        engine.step()
+        # every row drafts but one with a single token left to go (nothing to draft before its bonus token)
+        assert proposer.seen[-1] == [verifying] * len(proposer.seen[-1]) and len(proposer.seen[-1]) <= verifying
+    assert {len(step) and step[0] for step in proposer.seen} == {0, 1, 2, 3}  # the prefill, rows leaving and joining

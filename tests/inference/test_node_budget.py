@@ -17,7 +17,7 @@ from specheads.inference.proposers.lookup import WithPromptLookup
 from specheads.inference.proposers.ngram import HitRates
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.inference.verify_cost import VerifyCost, measure_verify_cost, verify_cost
+from specheads.inference.verify_cost import VerifyCost, VerifyCosts, measure_verify_cost, verify_cost
 from tests.conftest import random_eagle_head, repetitive_prompt, start_proposer, tiny_model
 
 FLAT = VerifyCost(nodes=(1, 64), seconds=(0.01, 0.01))  # a GPU-like curve: any tree costs one step
@@ -64,6 +64,31 @@ def test_measured_once_then_read_from_the_cache(target, tmp_path, monkeypatch):
     entry.write_text("{not json")  # a damaged entry is measured again and replaced
     assert verify_cost(target, cache_dir=tmp_path) == FLAT
     assert json.loads(entry.read_text()) == {"nodes": [1, 64], "seconds": [0.01, 0.01]}
+
+
+def test_a_batch_has_its_own_curve_measured_on_padded_rows(target, tmp_path, monkeypatch):
+    measured = []
+
+    def measure(model, **kwargs):
+        measured.append(kwargs["batch"])
+        return measure_verify_cost(model, sizes=(1, 2, 4), reps=1, context=16, **kwargs)
+
+    monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", measure)
+    costs = VerifyCosts(target, cache_dir=tmp_path)
+    four = costs.at(4)
+    assert four.nodes == (1, 2, 4) and all(s > 0 for s in four.seconds)
+    assert measured == [4] and len(list(tmp_path.glob("*-batch4.json"))) == 1
+    three = costs.at(3)  # between the powers of two around it
+    assert measured == [4, 2]
+    assert three == costs.at(2).blend(four, 0.5)
+    assert VerifyCosts(target, cache_dir=tmp_path).at(3) == three and measured == [4, 2]  # read back, not measured
+
+
+def test_blend_is_linear_at_every_measured_node_count():
+    low, high = VerifyCost(nodes=(1, 4), seconds=(1.0, 2.0)), VerifyCost(nodes=(1, 2), seconds=(3.0, 6.0))
+    mid = low.blend(high, 0.25)
+    assert mid.nodes == (1, 2, 4)
+    assert mid.seconds == pytest.approx((1.5, 0.75 * 1 * 4 / 3 + 0.25 * 6.0, 0.75 * 2.0 + 0.25 * 12.0))
 
 
 def test_measurement_leaves_the_model_usable(target):
@@ -153,8 +178,8 @@ def test_greedy_with_a_budget_equals_plain_greedy(target, cost):
     whole = []  # tree sizes as drafted and as verified
     choose = proposer.budget.choose
 
-    def spy(tree):
-        kept = choose(tree)
+    def spy(tree, batch=1):
+        kept = choose(tree, batch)
         whole.append((tree.size, kept.size))
         return kept
 
@@ -164,6 +189,38 @@ def test_greedy_with_a_budget_equals_plain_greedy(target, cost):
     assert res.stats.drafted > 0
     pruned = sum(kept < size for size, kept in whole)
     assert pruned > 0 if cost is STEEP else pruned == 0
+
+
+# A CPU-like batch: 8 rows, where every padded node costs every row (a width of 2 already costs 1.4 plain steps).
+BUSY = VerifyCosts(fixed=VerifyCost(nodes=(1, 2, 4, 8), seconds=(0.05, 0.07, 0.10, 0.16)))
+
+
+def test_rows_choose_one_width_together():
+    budget = NodeBudget(STEEP, calibrate=False)
+    trees = [star([0.9, 0.8, 0.7], parents=[-1, 0, 1, 2]), star([0.1, 0.05])]
+    kept = budget.choose_rows(trees, batch=2)
+    # width 4: (2 + 2.4 + 0.15) / 1.6 = 2.84 beats width 3: (2 + 1.7 + 0.15) / 1.45 = 2.66 and width 2: 3.0 / 1.3
+    assert [t.size for t in kept] == [4, 3]
+    alone = NodeBudget(STEEP, calibrate=False).choose(trees[1])
+    assert alone.size == 1  # alone the weak row's nodes are not worth a wider verify; beside the strong one they ride
+    narrow = NodeBudget(STEEP, calibrate=False).choose_rows([trees[0], star([0.1, 0.05, 0.02, 0.01])], batch=2)
+    assert [t.size for t in narrow] == [4, 4] and narrow[1].tokens.tolist() == [10, 11, 12, 13]  # its best three
+
+
+def test_a_busy_batch_verifies_plainly_what_a_lone_row_would_draft():
+    tree = star([0.6, 0.5, 0.4], parents=[-1, 0, 1, 2])
+    assert NodeBudget(STEEP, calibrate=False).choose(tree).size == 4
+    budget = NodeBudget(BUSY, calibrate=False)
+    assert [t.size for t in budget.choose_rows([tree], batch=8)] == [1]  # (8 + 0.6) / 1.4 < 8 / 1
+    many = budget.choose_rows([tree] * 8, batch=8)  # every row drafting: (8 + 8 * 1.1) / 2 > 1
+    assert [t.size for t in many] == [4] * 8 or [t.size for t in many] == [3] * 8
+
+
+def test_a_tree_without_estimates_sets_the_least_width():
+    budget = NodeBudget(BUSY, calibrate=False)
+    plain = DraftTree(tokens=torch.arange(3), parents=torch.tensor([-1, 0, 1]))
+    kept = budget.choose_rows([plain, star([0.6, 0.5, 0.4], parents=[-1, 0, 1, 2])], batch=8)
+    assert kept[0] is plain and kept[1].size >= 3  # the width is paid anyway: the other row fills it
 
 
 def test_stop_below_is_the_weakest_node_kept_lately():
