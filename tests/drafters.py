@@ -59,6 +59,16 @@ def _eagle3(target: nn.Module) -> nn.Module:
     return perturbed(Eagle3Head(config, target), scale=0.05).to(target.device).eval()
 
 
+def _peagle(target: nn.Module) -> nn.Module:
+    from specheads.heads.peagle import PEagleConfig, PEagleHead
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = PEagleConfig(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2, 3), num_layers=2,
+                          draft_vocab=tuple(range(3, 80)), mask_token_id=vocab - 1, num_depths=4)
+    return perturbed(PEagleHead(config, target), scale=0.05).to(target.device).eval()
+
+
 @dataclass(frozen=True)
 class DrafterCase:
     make: Callable[[nn.Module], nn.Module]  # untrained heads of the kind for a tiny target, on its device
@@ -70,6 +80,8 @@ DRAFTERS: dict[str, DrafterCase] = {
     "eagle": DrafterCase(lambda target: random_eagle_head(target, draft_vocab=tuple(range(3, 80))),
                          [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"draft_dtype": "int8", "lookup": 0}]),
     "eagle3": DrafterCase(_eagle3, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0},
+                                    {"draft_dtype": "int8", "lookup": 0}]),
+    "peagle": DrafterCase(_peagle, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),

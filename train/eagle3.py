@@ -17,16 +17,13 @@ from specheads.train.objective import Objective, register_objective
 
 
 @dataclass(frozen=True)
-class Eagle3HeadsConfig:
-    """The `heads:` section of an eagle3 recipe: the head's shape and the objective's settings."""
+class FusedHeadsConfig:
+    """The `heads:` keys of every EAGLE-3-shaped head (eagle3, peagle): its layers, the fused target layers."""
 
     num_layers: int = 1  # decoder layers in the head (the first reads cat(embedding, fused features))
     aux_layers: tuple[int, ...] | None = None  # target hidden_states fused by fc; None: 2, L//2, L-3 (speculators' default)
     norm_before_residual: bool = False  # see specheads.heads.eagle3
-    norm_output: bool = False  # later draft steps read the post-norm output
     feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
-    ttt_steps: int = 3  # draft steps unrolled in training, each fed the previous step's outputs
-    ttt_decay: float = 0.8  # loss weight of unrolled step k is ttt_decay**k
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -35,27 +32,40 @@ class Eagle3HeadsConfig:
             object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
             if not self.aux_layers:
                 raise ValueError("heads.aux_layers must name at least one target layer, or be null for 2, L//2, L-3")
-        if self.ttt_steps < 1:
-            raise ValueError(f"heads.ttt_steps must be >= 1, got {self.ttt_steps}")
-        if not 0.0 < self.ttt_decay <= 1.0:
-            raise ValueError(f"heads.ttt_decay must be in (0, 1], got {self.ttt_decay}")
         if self.feature_noise < 0:
             raise ValueError(f"heads.feature_noise must be >= 0, got {self.feature_noise}")
 
     def resolved_aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
         return self.aux_layers if self.aux_layers is not None else default_aux_layers(num_target_layers)
 
+    def head_fields(self, target: torch.nn.Module, draft_vocab: list[int] | None) -> dict:
+        """The head config's fields these settings and the target fix (an Eagle3Config's, or a subclass's)."""
+        tcfg = target.config.get_text_config()
+        return {"hidden_size": tcfg.hidden_size, "vocab_size": target.get_output_embeddings().weight.shape[0],
+                "aux_layers": self.resolved_aux_layers(tcfg.num_hidden_layers), "num_layers": self.num_layers,
+                "draft_vocab": None if draft_vocab is None else tuple(draft_vocab),
+                "norm_before_residual": self.norm_before_residual}
+
+
+@dataclass(frozen=True)
+class Eagle3HeadsConfig(FusedHeadsConfig):
+    """The `heads:` section of an eagle3 recipe: the head's shape and the objective's settings."""
+
+    norm_output: bool = False  # later draft steps read the post-norm output
+    ttt_steps: int = 3  # draft steps unrolled in training, each fed the previous step's outputs
+    ttt_decay: float = 0.8  # loss weight of unrolled step k is ttt_decay**k
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ttt_steps < 1:
+            raise ValueError(f"heads.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 0.0 < self.ttt_decay <= 1.0:
+            raise ValueError(f"heads.ttt_decay must be in (0, 1], got {self.ttt_decay}")
+
 
 def build_eagle3(settings: Eagle3HeadsConfig, target: torch.nn.Module,
                  draft_vocab: list[int] | None = None) -> Eagle3Head:
-    tcfg = target.config.get_text_config()
-    config = Eagle3Config(
-        hidden_size=tcfg.hidden_size, vocab_size=target.get_output_embeddings().weight.shape[0],
-        aux_layers=settings.resolved_aux_layers(tcfg.num_hidden_layers), num_layers=settings.num_layers,
-        draft_vocab=None if draft_vocab is None else tuple(draft_vocab),
-        norm_before_residual=settings.norm_before_residual, norm_output=settings.norm_output,
-    )
-    return Eagle3Head(config, target)
+    return Eagle3Head(Eagle3Config(**settings.head_fields(target, draft_vocab), norm_output=settings.norm_output), target)
 
 
 def eagle3_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],

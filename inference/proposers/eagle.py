@@ -204,20 +204,9 @@ _LONG_CATCH_UP = 32
 def _draft_rows(rows: list[EagleProposer], ctxs: list[ProposalContext]) -> list[DraftTree]:
     """EAGLE-2 drafting for rows sharing one head and head cache (see the module doc), in lockstep."""
     first = rows[0]
-    head, cache = first.head, first._rows.cache
-    dev = first.device
+    cache, dev = first._rows.cache, first.device
     # 1. Catch up: feed each row's pending (feature, token) pairs; the last output predicts the root's feature.
-    pending = [p._pending for p in rows]
-    for p in rows:
-        p._pending = None
-    short = [b for b, (_, t) in enumerate(pending) if t.shape[0] <= _LONG_CATCH_UP]
-    root_hidden: list[torch.Tensor | None] = [None] * len(rows)
-    for batch in [short] + [[b] for b in range(len(rows)) if b not in short]:
-        if not batch:
-            continue
-        out = _feed(head, cache, [rows[b]._row for b in batch], [pending[b] for b in batch], first.dtype)
-        for b, h in zip(batch, out):
-            root_hidden[b] = h
+    root_hidden = [h[0] for h in catch_up(rows)]
     committed = torch.tensor([cache.lengths[p._row] for p in rows], device=dev)  # the root's children's position
     depth = torch.tensor([min(p.config.depth, c.max_depth) for p, c in zip(rows, ctxs)])
     roots = [int(c.tokens[-1]) for c in ctxs]
@@ -225,6 +214,25 @@ def _draft_rows(rows: list[EagleProposer], ctxs: list[ProposalContext]) -> list[
     for p, c in zip(rows, committed.tolist()):
         cache.lengths[p._row] = c  # drafted entries never survive
     return trees
+
+
+def catch_up(rows: list[EagleProposer], masks: int = 0,
+             mask_entry: tuple[torch.Tensor, int] | None = None) -> list[torch.Tensor]:
+    """Feed every row's pending pairs (`_feed`, with its `masks`) and clear them; each row's outputs from its last
+    pair on. Rows with few pairs share one forward; a long catch-up (a newcomer's prompt) runs in its own."""
+    first = rows[0]
+    pending = [p._pending for p in rows]
+    for p in rows:
+        p._pending = None
+    short = [b for b, (_, t) in enumerate(pending) if t.shape[0] <= _LONG_CATCH_UP]
+    hidden: list[torch.Tensor | None] = [None] * len(rows)
+    for batch in [short] + [[b] for b in range(len(rows)) if b not in short]:
+        if batch:
+            out = _feed(first.head, first._rows.cache, [rows[b]._row for b in batch], [pending[b] for b in batch],
+                        first.dtype, masks, mask_entry)
+            for b, h in zip(batch, out):
+                hidden[b] = h
+    return hidden
 
 
 def _window(cache: BatchKVCache, row_ids: list[int]) -> tuple[int, int, torch.Tensor]:
@@ -245,12 +253,14 @@ def _visible_own_slots(cache: BatchKVCache, lo: int, count: int, width: int) -> 
     return visible
 
 
-def _feed(head: nn.Module, cache: BatchKVCache, row_ids: list[int],
-          pairs: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+def _feed(head: nn.Module, cache: BatchKVCache, row_ids: list[int], pairs: list[tuple[torch.Tensor, torch.Tensor]],
+          dtype: torch.dtype, masks: int = 0, mask_entry: tuple[torch.Tensor, int] | None = None) -> list[torch.Tensor]:
     """Feed each row's pending pairs (features [m, D], tokens [m]) causally after its committed pairs and commit
-    them; returns each row's last output [H]."""
+    them; returns each row's last output [1, H]. With `masks` > 0, `masks` entries `mask_entry` (feature [D], token)
+    follow each row's pairs in the same causal forward, uncommitted, and each row's outputs from its last pair on
+    come back: [1 + masks, H] (a block drafter's distributions)."""
     lo, count, at = _window(cache, row_ids)
-    width = max(t.shape[0] for _, t in pairs)
+    width = max(t.shape[0] for _, t in pairs) + masks
     dev = pairs[0][1].device
     tokens = torch.zeros(count, width, dtype=torch.long, device=dev)
     feats = torch.zeros(count, width, pairs[0][0].shape[-1], dtype=dtype, device=dev)
@@ -258,15 +268,17 @@ def _feed(head: nn.Module, cache: BatchKVCache, row_ids: list[int],
     positions = (lengths[:, None] + torch.arange(width)).to(dev)  # padding's positions are never read
     visible = _visible_own_slots(cache, lo, count, width)
     for w, (f, t) in zip(at.tolist(), pairs):
-        m, length = t.shape[0], int(lengths[w])
-        tokens[w, :m], feats[w, :m] = t, f.to(dtype)
+        m, length = t.shape[0] + masks, int(lengths[w])
+        tokens[w, : t.shape[0]], feats[w, : t.shape[0]] = t, f.to(dtype)
+        if masks:
+            tokens[w, t.shape[0] : m], feats[w, t.shape[0] : m] = mask_entry[1], mask_entry[0].to(dtype)
         visible[w, :m, :length] = True
         visible[w, :m, length : length + m] = torch.ones(m, m, dtype=torch.bool).tril()
     out = head(tokens, feats, positions, additive_mask(visible, dtype, dev), cache)  # [count, width, H]
     last = []
     for w, (_, t) in zip(at.tolist(), pairs):
-        cache.commit(lo + w, torch.arange(t.shape[0]))
-        last.append(out[w, t.shape[0] - 1])
+        cache.commit(lo + w, torch.arange(t.shape[0]))  # the masks' entries are left past the length: never seen
+        last.append(out[w, t.shape[0] - 1 : t.shape[0] + masks])
     return last
 
 
@@ -398,21 +410,31 @@ class EagleOptions(HeadsOptions):
 
 
 def tree_proposer(target, options: EagleOptions, kind: str,
-                  scorer: Callable[[nn.Module], DraftScorer | None] = lambda head: None) -> Proposer:
-    """The `kind` heads in `options.heads` drafting the tree `options` name, prompt lookup grafted on."""
+                  scorer: Callable[[nn.Module], DraftScorer | None] = lambda head: None,
+                  proposer: Callable[..., EagleProposer] | None = None) -> Proposer:
+    """The `kind` heads in `options.heads` drafting the tree `options` name (built by `proposer`, default
+    `EagleProposer`), prompt lookup grafted on. A head that drafts a block of `config.num_depths` tokens drafts that
+    deep by default, and no deeper."""
     base = eagle_tree(options.tree)
     head = load_drafter(options.heads, target, kind=kind)
+    depth = options.depth or base.depth
+    block = getattr(head.config, "num_depths", None)
+    if block is not None:
+        if options.depth is not None and options.depth > block:
+            raise ValueError(f"--depth {options.depth}: these {kind} heads draft blocks of {block} tokens; use "
+                             f"--depth {block} or less")
+        depth = options.depth or block
     int8 = options.draft_dtype == "int8"
     if int8:
         quantize_linears(head)
     budget = node_budget(target, options.node_budget)
-    tree = EagleTreeConfig(depth=options.depth or base.depth, topk=options.topk or base.topk,
+    tree = EagleTreeConfig(depth=depth, topk=options.topk or base.topk,
                            total_tokens=options.total_tokens or base.total_tokens,
                            min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
                            else options.min_expected_accepted)
-    proposer = EagleProposer(head, tree, vocab=scorer(head), int8_vocab=int8,
-                             stop_below=budget.stop_below if budget is not None else None)
-    return with_heads_options(proposer, target, options, budget)
+    drafter = (proposer or EagleProposer)(head, tree, vocab=scorer(head), int8_vocab=int8,
+                                          stop_below=budget.stop_below if budget is not None else None)
+    return with_heads_options(drafter, target, options, budget)
 
 
 register_method(Method(

@@ -80,18 +80,27 @@ def speculators_names(cfg: Eagle3Config, lc: Any) -> dict[str, tuple[int, ...]]:
 
 
 def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
-    cfg = _config(ckpt)
+    return write_speculators_layout(_config(ckpt), ckpt.state, folder, ctx)
+
+
+def write_speculators_layout(cfg: Eagle3Config, state: Mapping[str, torch.Tensor], folder: Path, ctx: ExportContext, *,
+                             architecture: str = "Eagle3Speculator", speculative_tokens: int | None = None,
+                             extra_names: Mapping[str, tuple[int, ...]] | None = None,
+                             extra_config: Mapping[str, Any] | None = None) -> list[str]:
+    """An eagle3-shaped head (`cfg.KIND`: eagle3 or a kind extending it) in speculators' layout: its tensors, the
+    vocabulary mappings and the target's embedding, checked by name and shape, and the config speculators reads."""
     lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
-    state = {**ckpt.state, **_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
-    check_export(state, speculators_names(cfg, lc), "speculators eagle3 (vLLM)")
+    state = {**state, **_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
+    check_export(state, {**speculators_names(cfg, lc), **(extra_names or {})}, f"speculators {cfg.KIND} (vLLM)")
     config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": KIND_NAME,
+        "architectures": [architecture],
+        "speculators_model_type": cfg.KIND,
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
-            "algorithm": KIND_NAME,
+            "algorithm": cfg.KIND,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens,
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": speculative_tokens or ctx.speculative_tokens,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": ctx.verifier,
                          "architectures": list(getattr(ctx.target_config, "architectures", None) or [])},
@@ -106,6 +115,7 @@ def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> lis
         "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         "tie_word_embeddings": False,
+        **(extra_config or {}),
     }
     return write_folder(folder, config, state)
 
@@ -128,7 +138,8 @@ def _vocabulary(state: dict[str, torch.Tensor], vocab_size: int) -> tuple[int, .
 
 
 def _imported(folder: Path, layout: str, lc: Mapping[str, Any], state: dict[str, torch.Tensor], aux: list[int] | None,
-              num_target_layers: int | None, verifier: str, **flags: bool) -> Checkpoint:
+              num_target_layers: int | None, verifier: str, config_cls: type[Eagle3Config] = Eagle3Config,
+              **flags: Any) -> Checkpoint:
     for name in _FOREIGN_ONLY:
         state.pop(name, None)
     if aux is None:
@@ -137,14 +148,14 @@ def _imported(folder: Path, layout: str, lc: Mapping[str, Any], state: dict[str,
         aux = list(default_aux_layers(num_target_layers))
     try:
         vocab = _vocabulary(state, int(lc["vocab_size"]))
-        cfg = Eagle3Config(hidden_size=int(lc["hidden_size"]), vocab_size=int(lc["vocab_size"]), aux_layers=tuple(aux),
+        cfg = config_cls(hidden_size=int(lc["hidden_size"]), vocab_size=int(lc["vocab_size"]), aux_layers=tuple(aux),
                            num_layers=int(lc.get("num_hidden_layers", 1)), draft_vocab=vocab,
                            layer={k: lc[k] for k in LAYER_FIELDS if k in lc}, **flags)
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} ({layout}): {err}") from None
     config = asdict(cfg)
     target = foreign_target(verifier, lc["hidden_size"], lc["vocab_size"], lc.get("model_type"))
-    return Checkpoint(folder, KIND_NAME, config, target, state, {"imported_from": layout})
+    return Checkpoint(folder, cfg.KIND, config, target, state, {"imported_from": layout})
 
 
 def _speculators_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
@@ -153,14 +164,21 @@ def _speculators_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
 
 def read_speculators(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],
                      num_target_layers: int | None) -> Checkpoint:
+    return read_speculators_layout(folder, meta, state, num_target_layers)
+
+
+def read_speculators_layout(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],
+                            num_target_layers: int | None, config_cls: type[Eagle3Config] = Eagle3Config,
+                            **fields: Any) -> Checkpoint:
+    """A speculators export of an eagle3-shaped head (`config_cls`, given its own `fields`) as our checkpoint."""
     lc = meta.get("transformer_layer_config") or {}
     if meta.get("target_hidden_size") not in (None, lc.get("hidden_size")):
         raise ValueError(f"{folder}: a draft hidden size ({lc.get('hidden_size')}) other than the target's "
                          f"({meta['target_hidden_size']}) is not supported")
     verifier = ((meta.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "unknown"
     flags = {k: bool(meta.get(k, False)) for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
-    return _imported(folder, "speculators eagle3", lc, state, meta.get("eagle_aux_hidden_state_layer_ids"),
-                     num_target_layers, verifier, **flags)
+    return _imported(folder, f"speculators {config_cls.KIND}", lc, state, meta.get("eagle_aux_hidden_state_layer_ids"),
+                     num_target_layers, verifier, config_cls, **flags, **fields)
 
 
 # -- SGLang / SpecForge -------------------------------------------------------------------------------------

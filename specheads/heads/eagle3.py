@@ -28,7 +28,7 @@ target vocabulary); `eagle3_mappings` converts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -55,6 +55,8 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
 class Eagle3Config:
     """What an EAGLE-3 head is; saved as its checkpoint's `config`."""
 
+    KIND: ClassVar[str] = KIND_NAME  # the kind its messages name (a subclass's own)
+
     hidden_size: int  # the target's hidden size H (also the head's)
     vocab_size: int  # rows of the target's LM head (the target vocabulary)
     aux_layers: tuple[int, ...]  # target hidden_states indices fused by fc (speculators' eagle_aux_hidden_state_layer_ids)
@@ -68,16 +70,16 @@ class Eagle3Config:
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
-            raise ValueError(f"eagle3 num_layers must be >= 1, got {self.num_layers}")
+            raise ValueError(f"{self.KIND} num_layers must be >= 1, got {self.num_layers}")
         object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
         if not self.aux_layers:
-            raise ValueError("eagle3 aux_layers must name at least one target layer (default: 2, L//2, L-3)")
+            raise ValueError(f"{self.KIND} aux_layers must name at least one target layer (default: 2, L//2, L-3)")
         if self.norm_before_fc and self.fc_norm:
-            raise ValueError("eagle3 norm_before_fc and fc_norm exclude each other: set one of them")
-        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, KIND_NAME))
+            raise ValueError(f"{self.KIND} norm_before_fc and fc_norm exclude each other: set one of them")
+        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, self.KIND))
         unknown = sorted(set(self.layer) - set(LAYER_FIELDS))
         if unknown:
-            raise ValueError(f"eagle3 layer may only set {', '.join(LAYER_FIELDS)}; got {unknown}")
+            raise ValueError(f"{self.KIND} layer may only set {', '.join(LAYER_FIELDS)}; got {unknown}")
 
     @property
     def draft_vocab_size(self) -> int:
@@ -100,7 +102,7 @@ def draft_vocab_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
 class Eagle3Head(nn.Module):
     def __init__(self, config: Eagle3Config, target: nn.Module) -> None:
         super().__init__()
-        layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, KIND_NAME,
+        layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, config.KIND,
                                        config.layer)
         self.config = config
         decoder = decoder_of(target)

@@ -48,6 +48,21 @@ def peer(folder):
     return SpeculatorModel.from_pretrained(folder, config=config).eval()
 
 
+def save_peer(model, folder) -> None:
+    """Give a drafter the peer built its vocabulary mappings (VOCAB) and the verifier's weights, perturb what it
+    trains (so it is not the verifier's head), and save it with the peer's own `save_pretrained`."""
+    ids = torch.tensor(VOCAB)
+    t2d = torch.zeros(96, dtype=torch.bool)
+    t2d[ids] = True
+    model.load_vocab_mappings(t2d, ids - torch.arange(len(ids)))
+    model.load_verifier_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith(("embed_tokens", "verifier_")):
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder)
+
+
 def inputs(target, length=10, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, 96, (1, length + 1), generator=g)
@@ -102,17 +117,7 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
             default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(str(target_path))))
     torch.manual_seed(1)
-    model = Eagle3DraftModel(config)
-    ids = torch.tensor(VOCAB)
-    t2d = torch.zeros(96, dtype=torch.bool)
-    t2d[ids] = True
-    model.load_vocab_mappings(t2d, ids - torch.arange(len(ids)))
-    model.load_verifier_weights()
-    with torch.no_grad():  # a drafter that is not the verifier's head: perturb what it trains
-        for name, p in model.named_parameters():
-            if not name.startswith(("embed_tokens", "verifier_")):
-                p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(tmp_path / "peer")
+    save_peer(Eagle3DraftModel(config), tmp_path / "peer")
     model = peer(tmp_path / "peer")
 
     head = load_drafter(tmp_path / "peer", target, kind="eagle3")

@@ -1,0 +1,48 @@
+"""P-EAGLE heads in speculators' `peagle` layout (what vLLM serves): the eagle3 layout plus `mask_hidden` and the
+config's `mask_token_id`; the block size is the greedy proposal's `speculative_tokens`, as speculators writes it
+(speculators/models/peagle/core.py, PEagleDraftModel.from_training_args). SGLang has no P-EAGLE loader."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specheads.config import build
+from specheads.formats.base import ExportContext, Exporter, Importer, register_exporter, register_importer
+from specheads.formats.eagle3 import read_speculators_layout, write_speculators_layout
+from specheads.heads.checkpoint import Checkpoint
+from specheads.heads.peagle import KIND_NAME, PEagleConfig
+
+ARCHITECTURE = "PEagleSpeculator"
+
+
+def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
+    cfg = build(PEagleConfig, ckpt.config)
+    mask = {"mask_hidden": (1, 1, len(cfg.aux_layers) * cfg.hidden_size)}
+    return write_speculators_layout(cfg, ckpt.state, folder, ctx, architecture=ARCHITECTURE,
+                                    speculative_tokens=cfg.num_depths, extra_names=mask,
+                                    extra_config={"mask_token_id": cfg.mask_token_id})
+
+
+def _detect(meta: Mapping[str, Any], names: set[str]) -> bool:
+    return meta.get("speculators_model_type") == KIND_NAME
+
+
+def read_speculators(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],
+                     num_target_layers: int | None) -> Checkpoint:
+    if meta.get("mask_token_id") is None:
+        raise ValueError(f"{folder} (speculators peagle) names no mask_token_id; set the id its masked positions were "
+                         "trained with in its config.json")
+    methods = (meta.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    depths = int(methods[0].get("speculative_tokens") or PEagleConfig.num_depths)
+    return read_speculators_layout(folder, meta, state, num_target_layers, PEagleConfig,
+                                   mask_token_id=int(meta["mask_token_id"]), num_depths=depths)
+
+
+register_exporter(Exporter("speculators", KIND_NAME, "vLLM and speculators (peagle)", write_speculators,
+                           serve="vllm serve DIR   # vLLM reads the verifier, {verifier}, from DIR/config.json"))
+register_importer(Importer("speculators peagle", 'config.json "speculators_model_type": "peagle"', _detect,
+                           read_speculators))

@@ -1,0 +1,177 @@
+"""The P-EAGLE objective: every position of a block in one forward, the deeper ones sampled sparsely (COD).
+
+A block of K = `num_depths` tokens drafted from anchor pair a (feature h_a, token x_{a+1}) puts the anchor at
+depth 0 and mask entries at depths 1..K-1 (positions a+1 .. a+K-1); the entry at depth d predicts the target's
+distribution at pair index a+d (the token x_{a+d+2}). Training lays every entry it samples out as one sequence:
+
+- depth 0: every pair of the sequence (the EAGLE-3 first step, causal);
+- depth d >= 1: a random subset of depth d-1's anchors (so each sampled chain is complete), a share
+  max(r^d, floor) of the sequence, with r = `down_sample_ratio` and floor = `down_sample_ratio_min`
+  (conditional drop-token; the deeper positions cost a fraction of a pass each);
+
+and an entry (a, d) attends to depth-0 entries of anchors <= a and to its own chain's entries of depth <= d,
+which is exactly what it sees at inference (the committed pairs, the anchor, the masks before it). The loss is
+the soft cross-entropy against the target over the draft vocabulary, averaged over every sampled entry that
+counts. Evaluation runs every anchor at every depth (no sampling): per-depth top-1/top-k and the chain τ a
+block drafted as a chain would reach.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+
+from specheads.heads.peagle import KIND_NAME, PEagleConfig, PEagleHead
+from specheads.train.eagle import EVAL_TOPK, _inputs, chain_eval_row, target_draft_weight
+from specheads.train.eagle3 import FusedHeadsConfig
+from specheads.train.features import batch_features, last_layer
+from specheads.train.objective import Objective, register_objective
+
+
+@dataclass(frozen=True)
+class PEagleHeadsConfig(FusedHeadsConfig):
+    """The `heads:` section of a peagle recipe: the head's shape and the objective's settings."""
+
+    num_depths: int = 4  # tokens one forward drafts (K): the anchor's next token and K-1 masked positions
+    down_sample_ratio: float = 0.7  # depth d trains on a share r^d of the anchors (conditional drop-token) ...
+    down_sample_ratio_min: float = 0.2  # ... and never on fewer than this share
+    mask_token_id: int | None = None  # the masked positions' token; None: its own pad token, else its last id
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_depths < 1:
+            raise ValueError(f"heads.num_depths must be >= 1 (tokens drafted per forward), got {self.num_depths}")
+        if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:
+            raise ValueError("heads.down_sample_ratio must be in (0, 1] and heads.down_sample_ratio_min in [0, 1], got "
+                             f"{self.down_sample_ratio} and {self.down_sample_ratio_min}")
+
+
+def default_mask_token(target: torch.nn.Module) -> int:
+    """The target's pad token if it has one of its own (not also its end of turn), else its last id: a token the
+    text rarely holds, so a masked entry rarely looks like a real one."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    tcfg = target.config.get_text_config()
+    pad, eos = getattr(tcfg, "pad_token_id", None), getattr(tcfg, "eos_token_id", None)
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab and pad not in eos else vocab - 1
+
+
+def build_peagle(settings: PEagleHeadsConfig, target: torch.nn.Module,
+                 draft_vocab: list[int] | None = None) -> PEagleHead:
+    mask = default_mask_token(target) if settings.mask_token_id is None else settings.mask_token_id
+    config = PEagleConfig(**settings.head_fields(target, draft_vocab), num_depths=settings.num_depths,
+                          mask_token_id=mask)
+    return PEagleHead(config, target)
+
+
+def cod_anchors(width: int, num_depths: int, ratio: float, floor: float,
+                generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Per depth d, the sorted anchors [n_d] whose depth-d entries are trained: every index at depth 0, then a random
+    subset of depth d-1's anchors (those with a + d < width) of size ceil((width - d) * max(ratio^d, floor))."""
+    anchors = [torch.arange(width)]
+    for d in range(1, num_depths):
+        pool = anchors[-1][anchors[-1] < width - d]
+        size = min(pool.numel(), math.ceil((width - d) * max(ratio ** d, floor)))
+        if size <= 0:
+            break
+        pick = torch.randperm(pool.numel(), generator=generator)[:size] if size < pool.numel() else slice(None)
+        anchors.append(pool[pick].sort().values)
+    return anchors
+
+
+def block_mask(anchor: torch.Tensor, depth: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [1, 1, L, L]
+    """Entry (a, d) sees depth-0 entries of anchors <= a and its own chain's entries of depth <= d."""
+    a_q, a_k = anchor[:, None], anchor[None, :]
+    d_q, d_k = depth[:, None], depth[None, :]
+    visible = ((d_k == 0) & (a_k <= a_q)) | ((a_k == a_q) & (d_k <= d_q))
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def block_forward(head: torch.nn.Module, model: PEagleHead, tokens: torch.Tensor, feats: torch.Tensor,
+                  anchors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head over every sampled entry: outputs [B, L, H], and each entry's anchor [L] and depth [L]."""
+    anchor = torch.cat(anchors).to(tokens.device)  # [L]
+    depth = torch.cat([torch.full((a.numel(),), d, dtype=torch.long) for d, a in enumerate(anchors)]).to(tokens.device)
+    deep = depth > 0
+    b = tokens.shape[0]
+    tok_in = tokens[:, anchor].masked_fill(deep[None], model.config.mask_token_id)  # [B, L]
+    feat_in = feats[:, anchor]  # [B, L, D]
+    feat_in = torch.where(deep[None, :, None], model.mask_features().to(feat_in.dtype), feat_in)
+    positions = (anchor + depth)[None].expand(b, -1)
+    mask = block_mask(anchor.cpu(), depth.cpu(), feat_in.dtype).to(tokens.device)
+    return head(tok_in, feat_in, positions, attention_mask=mask), anchor, depth
+
+
+def _counted(counts: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:  # [B, L]
+    """An entry counts where its anchor's prediction and its own target position both count."""
+    return counts[:, anchor] & counts[:, anchor + depth]
+
+
+def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
+                     settings: PEagleHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    model = extract_model_from_parallel(head)  # DDP hides the head's own methods
+    features = batch_features(target, batch, model.config.aux_layers)  # [B, T, D]
+    tokens, feats, _, counts = _inputs(batch, features)
+    last = last_layer(features, model.config.hidden_size)[:, 1:]  # [B, W, H]: F_{i+1}, what entry (a, d=i-a) predicts
+    if settings.feature_noise > 0:
+        feats = feats + (torch.rand_like(feats) - 0.5) * 2 * settings.feature_noise
+    anchors = cod_anchors(tokens.shape[1], model.config.num_depths, settings.down_sample_ratio,
+                          settings.down_sample_ratio_min)
+    out, anchor, depth = block_forward(head, model, tokens, feats, anchors)
+    valid = _counted(counts, anchor, depth)  # [B, L]
+    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(valid)[valid]
+    at = (anchor + depth)[None].expand_as(valid)[valid]
+    with torch.no_grad():
+        weight = target_draft_weight(target, model.draft_ids)
+        target_p = (last[rows, at].to(weight.dtype) @ weight.T).float().softmax(-1)  # [M, Vd]
+    logits = model.draft_logits(out[valid]).float()  # [M, Vd]
+    ce = -(target_p * logits.log_softmax(-1)).sum(-1)  # [M]
+    stats: dict[str, float] = {"loss_ce": float(ce.detach().mean())}
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == target_p.argmax(-1)).float()
+        entry_depth = depth[None].expand_as(valid)[valid]
+        for d in range(len(anchors)):
+            at_d = entry_depth == d
+            if bool(at_d.any()):
+                stats["top1" if d == 0 else f"top1_depth{d}"] = float(hit[at_d].mean())
+    stats.setdefault("top1", 0.0)
+    return ce.mean(), stats
+
+
+@torch.no_grad()
+def block_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sums over the batch's counted anchors, every anchor at every depth: per-depth top-1 / top-k agreement of the
+    draft (over its vocabulary) with the target's full-vocabulary argmax, and the chain acceptance length (leading
+    depths right). The keys of `chain_eval`, so `chain_eval_row` reports them."""
+    features = batch_features(target, batch, head.config.aux_layers)  # [B, T, D]
+    tokens, feats, _, counts = _inputs(batch, features)
+    width, steps = tokens.shape[1], head.config.num_depths
+    last = last_layer(features, head.config.hidden_size)[:, 1:]  # [B, W, H]
+    target_next = target.get_output_embeddings()(last).argmax(-1)  # [B, W]
+    anchors = [torch.arange(width - d) for d in range(min(steps, width))]
+    out, anchor, depth = block_forward(head, head, tokens, feats, anchors)
+    ranked = head.token_ids(head.draft_logits(out).topk(EVAL_TOPK, dim=-1).indices)  # [B, L, k]
+    wanted = target_next[:, anchor + depth]  # [B, L]
+    hit, hitk = ranked[..., 0] == wanted, (ranked == wanted[..., None]).any(-1)
+    valid = _counted(counts, anchor, depth)
+    top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    hits = torch.zeros(steps, *counts.shape, dtype=torch.bool)  # [K, B, W]: depth d right, by anchor
+    for d in range(len(anchors)):
+        at_d = depth == d
+        h, v = hit[:, at_d], valid[:, at_d]
+        top1[d], topk_hits[d], totals[d] = (h & v).sum(), (hitk[:, at_d] & v).sum(), v.sum()
+        hits[d, :, : width - d] = h & v
+    accepted = torch.cumprod(hits.long(), dim=0).sum(0)[counts].sum()
+    return {"correct_top1": top1, "correct_topk": topk_hits, "positions": totals,
+            "accepted": accepted.float().reshape(1), "starts": counts.sum().float().reshape(1)}
+
+
+register_objective(Objective(
+    name=KIND_NAME, kind=KIND_NAME, settings=PEagleHeadsConfig, build=build_peagle, step_loss=peagle_step_loss,
+    eval_sums=block_eval, eval_row=chain_eval_row,
+    feature_layers=lambda settings, num_target_layers: settings.resolved_aux_layers(num_target_layers),
+))
