@@ -69,6 +69,16 @@ def _peagle(target: nn.Module) -> nn.Module:
     return perturbed(PEagleHead(config, target), scale=0.05).to(target.device).eval()
 
 
+def _dflash(target: nn.Module) -> nn.Module:
+    from specheads.heads.dflash import DFlashConfig, DFlashHead
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = DFlashConfig(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2, 3), num_layers=2, block_size=4,
+                          draft_vocab=tuple(range(3, 80)), mask_token_id=vocab - 1)
+    return perturbed(DFlashHead(config, target), scale=0.05).to(target.device).eval()
+
+
 @dataclass(frozen=True)
 class DrafterCase:
     make: Callable[[nn.Module], nn.Module]  # untrained heads of the kind for a tiny target, on its device
@@ -82,6 +92,8 @@ DRAFTERS: dict[str, DrafterCase] = {
     "eagle3": DrafterCase(_eagle3, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "peagle": DrafterCase(_peagle, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
+                                    {"draft_dtype": "int8", "lookup": 0}]),
+    "dflash": DrafterCase(_dflash, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),

@@ -18,11 +18,10 @@ from specheads.train.objective import Objective, register_objective
 
 @dataclass(frozen=True)
 class FusedHeadsConfig:
-    """The `heads:` keys of every EAGLE-3-shaped head (eagle3, peagle): its layers, the fused target layers."""
+    """The `heads:` keys of every head that fuses target layers through `fc` (eagle3, peagle, dflash)."""
 
-    num_layers: int = 1  # decoder layers in the head (the first reads cat(embedding, fused features))
+    num_layers: int = 1  # decoder layers in the head (eagle3's first reads cat(embedding, fused features))
     aux_layers: tuple[int, ...] | None = None  # target hidden_states fused by fc; None: 2, L//2, L-3 (speculators' default)
-    norm_before_residual: bool = False  # see specheads.heads.eagle3
     feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
 
     def __post_init__(self) -> None:
@@ -43,14 +42,14 @@ class FusedHeadsConfig:
         tcfg = target.config.get_text_config()
         return {"hidden_size": tcfg.hidden_size, "vocab_size": target.get_output_embeddings().weight.shape[0],
                 "aux_layers": self.resolved_aux_layers(tcfg.num_hidden_layers), "num_layers": self.num_layers,
-                "draft_vocab": None if draft_vocab is None else tuple(draft_vocab),
-                "norm_before_residual": self.norm_before_residual}
+                "draft_vocab": None if draft_vocab is None else tuple(draft_vocab)}
 
 
 @dataclass(frozen=True)
 class Eagle3HeadsConfig(FusedHeadsConfig):
     """The `heads:` section of an eagle3 recipe: the head's shape and the objective's settings."""
 
+    norm_before_residual: bool = False  # see specheads.heads.eagle3
     norm_output: bool = False  # later draft steps read the post-norm output
     ttt_steps: int = 3  # draft steps unrolled in training, each fed the previous step's outputs
     ttt_decay: float = 0.8  # loss weight of unrolled step k is ttt_decay**k
@@ -65,7 +64,8 @@ class Eagle3HeadsConfig(FusedHeadsConfig):
 
 def build_eagle3(settings: Eagle3HeadsConfig, target: torch.nn.Module,
                  draft_vocab: list[int] | None = None) -> Eagle3Head:
-    return Eagle3Head(Eagle3Config(**settings.head_fields(target, draft_vocab), norm_output=settings.norm_output), target)
+    return Eagle3Head(Eagle3Config(**settings.head_fields(target, draft_vocab), norm_output=settings.norm_output,
+                                   norm_before_residual=settings.norm_before_residual), target)
 
 
 def eagle3_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],

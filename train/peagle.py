@@ -35,6 +35,7 @@ from specheads.train.objective import Objective, register_objective
 class PEagleHeadsConfig(FusedHeadsConfig):
     """The `heads:` section of a peagle recipe: the head's shape and the objective's settings."""
 
+    norm_before_residual: bool = False  # see specheads.heads.eagle3
     num_depths: int = 4  # tokens one forward drafts (K): the anchor's next token and K-1 masked positions
     down_sample_ratio: float = 0.7  # depth d trains on a share r^d of the anchors (conditional drop-token) ...
     down_sample_ratio_min: float = 0.2  # ... and never on fewer than this share
@@ -63,7 +64,7 @@ def build_peagle(settings: PEagleHeadsConfig, target: torch.nn.Module,
                  draft_vocab: list[int] | None = None) -> PEagleHead:
     mask = default_mask_token(target) if settings.mask_token_id is None else settings.mask_token_id
     config = PEagleConfig(**settings.head_fields(target, draft_vocab), num_depths=settings.num_depths,
-                          mask_token_id=mask)
+                          mask_token_id=mask, norm_before_residual=settings.norm_before_residual)
     return PEagleHead(config, target)
 
 

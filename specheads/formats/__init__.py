@@ -3,7 +3,7 @@
 Importing this package registers the built-in formats, one module per drafter kind.
 """
 
-from specheads.formats import eagle, eagle3, medusa, peagle  # noqa: F401  (each module registers its exporters and importers)
+from specheads.formats import dflash, eagle, eagle3, medusa, peagle  # noqa: F401  (each module registers its exporters and importers)
 from specheads.formats.base import (
     EXPORTERS,
     IMPORTERS,

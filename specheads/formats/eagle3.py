@@ -33,12 +33,12 @@ from specheads.formats.base import (
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.eagle3 import (
     KIND_NAME,
-    LAYER_FIELDS,
     Eagle3Config,
     default_aux_layers,
     draft_vocab_from_d2t,
     eagle3_mappings,
 )
+from specheads.heads.fused_head import LAYER_FIELDS
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 format this writes
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -33,17 +33,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from specheads.features import feature_rows, feature_width
-from specheads.heads.draft_vocab import check_draft_vocab
+from specheads.heads.fused_head import FusedHead, check_fused_config
 from specheads.hf import cache_kwargs, decoder_of, draft_layer_config
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "eagle3"
 
-# Fields of the draft layer's HF config a drafter may set apart from its target's (an imported drafter's
-# transformer_layer_config can differ in these); anything else is the target's.
-LAYER_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                "hidden_act", "attention_bias", "mlp_bias", "rope_parameters", "max_position_embeddings")
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -69,17 +64,9 @@ class Eagle3Config:
     layer: dict[str, Any] = field(default_factory=dict)  # draft layer config fields set apart from the target's
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"{self.KIND} num_layers must be >= 1, got {self.num_layers}")
-        object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
-        if not self.aux_layers:
-            raise ValueError(f"{self.KIND} aux_layers must name at least one target layer (default: 2, L//2, L-3)")
+        check_fused_config(self, self.KIND)
         if self.norm_before_fc and self.fc_norm:
             raise ValueError(f"{self.KIND} norm_before_fc and fc_norm exclude each other: set one of them")
-        object.__setattr__(self, "draft_vocab", check_draft_vocab(self.draft_vocab, self.vocab_size, self.KIND))
-        unknown = sorted(set(self.layer) - set(LAYER_FIELDS))
-        if unknown:
-            raise ValueError(f"{self.KIND} layer may only set {', '.join(LAYER_FIELDS)}; got {unknown}")
 
     @property
     def draft_vocab_size(self) -> int:
@@ -99,7 +86,7 @@ def draft_vocab_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
     return d2t.long() + torch.arange(d2t.shape[0])
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(FusedHead):
     def __init__(self, config: Eagle3Config, target: nn.Module) -> None:
         super().__init__()
         layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, config.KIND,
@@ -107,7 +94,6 @@ class Eagle3Head(nn.Module):
         self.config = config
         decoder = decoder_of(target)
         self.layer_config = layer_cfg
-        dtype = next(target.parameters()).dtype
         h, n, eps = config.hidden_size, len(config.aux_layers), layer_cfg.rms_norm_eps
         norm_cls = type(decoder.norm)
         if config.norm_before_fc:
@@ -121,30 +107,8 @@ class Eagle3Head(nn.Module):
             old = getattr(first.self_attn, name)
             setattr(first.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
         first.hidden_norm = norm_cls(h, eps=eps)
-        self.norm = norm_cls(h, eps=eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
-        self._frozen = (target.get_input_embeddings(),)  # shared, frozen, outside this module's parameters
-        ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab, dtype=torch.long)
-        self.register_buffer("draft_ids", ids, persistent=False)  # [Vd] or None; rebuilt from the config
-        with torch.no_grad():  # start from the target's own next-token head
-            rows = target.get_output_embeddings().weight
-            self.lm_head.weight.copy_(rows if ids is None else rows[ids.to(rows.device)])
-            self.norm.weight.copy_(decoder.norm.weight)
-        for name, module in self.named_children():
-            if name != "rotary_emb":  # its inverse frequencies stay fp32, as in the target
-                module.to(dtype)
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self._frozen[0]
-
-    @property
-    def feature_width(self) -> int:  # D: the aux layers and the last layer, the feature rows every drafter reads
-        return feature_width(self.config.hidden_size, self.config.aux_layers)
-
-    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., D]
-        return feature_rows(hidden_states, self.config.aux_layers)
+        self._add_output(target, decoder, layer_cfg)
+        self._to_target_dtype(target)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., H]: fc over the aux states
         aux = features[..., : -self.config.hidden_size]  # the last layer's columns are the training target, not an input
@@ -185,8 +149,6 @@ class Eagle3Head(nn.Module):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
         return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
-    def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into the draft logits -> token ids
-        return index if self.draft_ids is None else self.draft_ids[index]
 
 
 register_kind(DrafterKind(

@@ -42,11 +42,7 @@ class PEagleConfig(Eagle3Config):
     num_depths: int = 4  # tokens one forward drafts: the anchor's next token and num_depths - 1 masked positions
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"peagle mask_token_id {self.mask_token_id} is outside the target vocabulary "
-                             f"[0, {self.vocab_size}); pick an id of a token the target rarely sees (e.g. its pad "
-                             "token)")
+        super().__post_init__()  # the mask token included
         if self.num_depths < 1:
             raise ValueError(f"peagle num_depths must be >= 1 (tokens drafted per forward), got {self.num_depths}")
 

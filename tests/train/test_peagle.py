@@ -20,6 +20,7 @@ from specheads.train.peagle import (
     peagle_step_loss,
 )
 from tests.conftest import tiny_model
+from tests.drafters import perturbed
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,8 @@ def target():
 
 
 @pytest.fixture
-def head(target):
-    torch.manual_seed(1)
-    head = build_peagle(PEagleHeadsConfig(aux_layers=(1, 2, 3), num_layers=2, num_depths=4), target)
-    with torch.no_grad():  # a head that is not the identity, so wrong attention shows in the outputs
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return head
+def head(target):  # not the identity, so wrong attention shows in the outputs
+    return perturbed(build_peagle(PEagleHeadsConfig(aux_layers=(1, 2, 3), num_layers=2, num_depths=4), target), seed=1)
 
 
 def test_cod_keeps_every_anchor_at_depth_0_and_nested_shrinking_subsets_deeper():

@@ -100,19 +100,18 @@ def test_eagle3_recipe_lowers_the_loss_decodes_exactly_and_keeps_its_draft_vocab
     assert json.loads((tmp_path / "fresh" / "final" / "config.json").read_text())["config"]["draft_vocab"] == vocab
 
 
-def test_peagle_recipe_lowers_the_loss_reports_every_depth_and_decodes_exactly(tiny_run_inputs, tmp_path):
-    out = tmp_path / "pe"
-    assert train_main(base_args(tiny_run_inputs, out, "recipe=peagle", "heads.aux_layers=[1,2,3]", "heads.num_depths=3",
+def train_block_drafter(tiny_run_inputs, out: Path, kind: str, *settings: str) -> list[dict]:
+    """A tiny run of a block drafter's recipe: the loss falls, evaluation reports a chain τ, and the final drafter
+    decodes exactly; returns the run's metrics rows."""
+    assert train_main(base_args(tiny_run_inputs, out, f"recipe={kind}", "heads.aux_layers=[1,2,3]", *settings,
                                 "draft_vocab_size=40", "max_steps=24", "save_every=24", "eval_every=12",
                                 "optim.lr=0.01")) == 0
     losses = train_losses(out)
     assert sum(losses[s] for s in (22, 23, 24)) < 0.85 * sum(losses[s] for s in (1, 2, 3)), losses
     rows = metrics(out)
-    assert any("top1_depth2" in r for r in rows)  # the deepest position trains
     evals = [r for r in rows if "eval/top1_step3" in r]
     assert evals and 1.0 <= evals[-1]["eval/simulated_tau_chain"] <= 4.0
-    cfg = json.loads((out / "final" / "config.json").read_text())
-    assert cfg["head_type"] == "peagle" and cfg["config"]["num_depths"] == 3
+    assert json.loads((out / "final" / "config.json").read_text())["head_type"] == kind
 
     from specheads.inference import Engine
     from specheads.inference.methods import METHODS, make_proposer
@@ -122,9 +121,20 @@ def test_peagle_recipe_lowers_the_loss_reports_every_depth_and_decodes_exactly(t
     target, _ = load_target(str(tiny_run_inputs[0]))
     prompt = [1, 5, 9, 12, 2, 1, 20, 23, 26, 29]
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
-    heads = Engine(target, make_proposer("peagle", target, METHODS.get("peagle").make_options(
+    heads = Engine(target, make_proposer(kind, target, METHODS.get(kind).make_options(
         {"heads": str(out / "final"), "lookup": 0}), None)).generate(prompt, max_new_tokens=32)
     assert heads.output_ids == plain.output_ids and heads.stats.drafted > 0
+    return rows
+
+
+def test_peagle_recipe_lowers_the_loss_reports_every_depth_and_decodes_exactly(tiny_run_inputs, tmp_path):
+    rows = train_block_drafter(tiny_run_inputs, tmp_path / "pe", "peagle", "heads.num_depths=3")
+    assert any("top1_depth2" in r for r in rows)  # the deepest position trains
+
+
+def test_dflash_recipe_lowers_the_loss_reports_every_slot_and_decodes_exactly(tiny_run_inputs, tmp_path):
+    rows = train_block_drafter(tiny_run_inputs, tmp_path / "df", "dflash", "heads.block_size=4", "heads.max_anchors=8")
+    assert any("top1_pos3" in r for r in rows)  # the last slot trains
 
 
 def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_inputs, tmp_path):
@@ -234,7 +244,7 @@ def test_each_recipe_reads_its_own_heads_section():
         load_train_config(None, ["recipe=medusa", "heads.medusa_heads=3"])
     with pytest.raises(ValueError, match=r"unknown config key heads.'aux_layers'"):  # an eagle setting
         load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
-    with pytest.raises(ValueError, match=r"the config names no recipe; add recipe: one of distill, eagle, eagle3, medusa, medusa2, peagle"):
+    with pytest.raises(ValueError, match=r"the config names no recipe; add recipe: one of dflash, distill, eagle, eagle3, medusa, medusa2, peagle"):
         load_train_config(None, ["max_steps=3"])
     with pytest.raises(ValueError, match=r"unknown recipe 'eagel' \(did you mean 'eagle'\?\)"):
         load_train_config(None, ["recipe=eagel"])

@@ -39,11 +39,13 @@ def ours(target, num_layers=1, **flags):
     return perturbed(Eagle3Head(cfg, target), scale=0.05).eval()
 
 
-def peer(folder):
+def peer(folder, config_class=None):
+    """The peer's own model for `folder`, loaded as `config_class` (default: its eagle3 config) says, in eager
+    attention."""
     from speculators import SpeculatorModel
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
-    config = Eagle3SpeculatorConfig.from_pretrained(folder)
+    config = (config_class or Eagle3SpeculatorConfig).from_pretrained(folder)
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a compiler on CPU
     return SpeculatorModel.from_pretrained(folder, config=config).eval()
 

@@ -17,6 +17,7 @@ from specheads.train.peagle import block_forward
 from tests.conftest import repetitive_prompt
 from tests.drafters import perturbed, proposer_for
 from tests.specheads.formats.test_eagle3_interop import AUX, VOCAB, inputs, save_peer, target_dir  # noqa: F401
+from tests.specheads.formats.test_eagle3_interop import peer as eagle3_peer
 
 speculators = pytest.importorskip("speculators", reason="install with: pip install --no-deps speculators==0.9.0 "
                                                         "hs-connectors==0.9.0 (scripts/setup.sh does)")
@@ -36,12 +37,9 @@ def ours(target):
 
 
 def peer(folder):
-    from speculators import SpeculatorModel
     from speculators.models.peagle import PEagleSpeculatorConfig
 
-    config = PEagleSpeculatorConfig.from_pretrained(folder)
-    config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a compiler on CPU
-    return SpeculatorModel.from_pretrained(folder, config=config).eval()
+    return eagle3_peer(folder, PEagleSpeculatorConfig)
 
 
 def both_logits(model, head, tokens, feats, seed=0):

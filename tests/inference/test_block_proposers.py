@@ -1,5 +1,6 @@
-"""The P-EAGLE proposer: the tree it builds from a block's distributions, one head forward per step (for a batch of
-rows too), the depth limit of the block, and a checkpoint of another kind refused by name."""
+"""The block drafters (`peagle`, `dflash`): the tree built from a block's distributions, one drafter forward per
+step for every row (each over its own context), the block's limit on depth, and checkpoints of another kind refused
+by name."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from specheads.inference.proposers.eagle import EagleTreeConfig
 from specheads.inference.proposers.peagle import block_tree
 from tests.conftest import repetitive_prompt, tiny_model
 from tests.drafters import proposer_for, save_case
+
+BLOCK_KINDS = {"peagle": "draft blocks of 4 tokens; use --depth 4 or less",  # kind: its refusal of --depth 5
+               "dflash": "fills blocks of 4 .* use --depth 3 or less"}
 
 
 @pytest.fixture(scope="module")
@@ -36,35 +40,34 @@ def test_the_tree_holds_the_best_paths_of_the_block():
                       lambda i: i).size == 1  # a tree expecting too little: a plain step
 
 
-def _count_forwards(head):
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_one_forward_drafts_every_rows_block(kind, target, tmp_path):
+    save_case(kind, target, tmp_path / "heads")
+    proposer = proposer_for(kind, target, tmp_path / "heads", {"lookup": 0, "node_budget": "fixed"})
     calls = []
-    handle = head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
-    return calls, handle
-
-
-def test_one_head_forward_drafts_the_block_for_every_row(target, tmp_path):
-    save_case("peagle", target, tmp_path / "heads")
-    proposer = proposer_for("peagle", target, tmp_path / "heads", {"lookup": 0, "node_budget": "fixed"})
-    head = proposer.head
-    calls, handle = _count_forwards(head)
+    handle = proposer.head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
     try:
         engine = Engine(target, proposer, max_rows=3)
-        seqs = [engine.add(repetitive_prompt(seed=s), max_new_tokens=12) for s in (1, 2, 3)]
+        seqs = [engine.add(repetitive_prompt(length=n, seed=n), max_new_tokens=10) for n in (9, 17, 24)]
         engine.step()  # the prefills: no draft yet
         assert calls == []
-        engine.step()
-        assert len(calls) == 1 and calls[0][0] == 3  # one forward, three rows
-        drafted = [s.tree for s in seqs]
-        assert all(1 <= int(t.depths.max()) <= head.config.num_depths for t in drafted)
+        for _ in range(3):
+            calls.clear()
+            engine.step()
+            assert len(calls) == 1 and calls[0][0] == 3  # one forward, three rows of different lengths
+            assert all(1 <= int(s.tree.depths.max()) <= 4 for s in seqs)
+            if kind == "dflash":  # its context: every committed token but the last, projected or still pending
+                assert all(s.proposer._length + len(s.proposer._pending) == s.n - 1 for s in seqs)
     finally:
         handle.remove()
 
 
-def test_depth_is_limited_to_the_block(target, tmp_path):
-    save_case("peagle", target, tmp_path / "heads")
-    with pytest.raises(ValueError, match="draft blocks of 4 tokens; use --depth 4 or less"):
-        proposer_for("peagle", target, tmp_path / "heads", {"depth": 5})
-    shallow = proposer_for("peagle", target, tmp_path / "heads", {"depth": 2, "lookup": 0, "node_budget": "fixed"})
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_depth_is_limited_to_the_block(kind, target, tmp_path):
+    save_case(kind, target, tmp_path / "heads")
+    with pytest.raises(ValueError, match=BLOCK_KINDS[kind]):
+        proposer_for(kind, target, tmp_path / "heads", {"depth": 5 if kind == "peagle" else 4})
+    shallow = proposer_for(kind, target, tmp_path / "heads", {"depth": 2, "lookup": 0, "node_budget": "fixed"})
     engine = Engine(target, shallow)
     seq = engine.add(repetitive_prompt(), max_new_tokens=16)
     depths = []
@@ -81,3 +84,5 @@ def test_heads_of_another_kind_are_refused_by_name(target, tmp_path):
     save_case("peagle", target, tmp_path / "peagle")
     with pytest.raises(ValueError, match="holds 'peagle' heads, not eagle3 heads"):
         proposer_for("eagle3", target, tmp_path / "peagle", {})
+    with pytest.raises(ValueError, match="holds 'peagle' heads, not dflash heads"):
+        proposer_for("dflash", target, tmp_path / "peagle", {})

@@ -1,0 +1,149 @@
+"""`dflash`: a DFlash block drafter (`specheads.heads.dflash`) drafting up to block_size - 1 tokens per forward.
+
+Per sequence the proposer keeps every draft layer's context keys and values: one row per committed token except
+the last (the anchor, whose target hidden state the next verify computes). After each verify the accepted path's
+feature rows are projected into them (they are the positions right after the context, up to the new anchor).
+Each step drafts [anchor, mask, ...] in one forward over that context and builds the tree from the slots'
+distributions as `peagle` does (best-first over the block's top-k per position). Rows draft together: their
+contexts are padded to the longest (padding masked), one forward for every row.
+
+Drafts are deterministic top-k choices, so verification is exact for greedy and sampling alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+
+from specheads.heads.checkpoint import load_drafter
+from specheads.heads.dflash import KIND_NAME, ContextKV, DFlashHead
+from specheads.inference.batch_cache import additive_mask
+from specheads.inference.methods import Method, register_method
+from specheads.inference.node_budget import node_budget
+from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.proposers.eagle import EAGLE_TREES, EagleOptions, EagleTreeConfig, eagle_tree
+from specheads.inference.proposers.lookup import with_heads_options
+from specheads.inference.proposers.peagle import block_tree
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+from specheads.int8 import quantize_linears
+
+
+class DFlashProposer:
+    needs_target_hidden = True
+
+    def __init__(self, head: DFlashHead, config: EagleTreeConfig) -> None:
+        if config.depth > head.config.block_size - 1:
+            raise ValueError(f"--depth {config.depth}: this dflash drafter fills blocks of {head.config.block_size} "
+                             f"(the anchor and {head.config.block_size - 1} drafted tokens); use --depth "
+                             f"{head.config.block_size - 1} or less")
+        self.head = head.eval()
+        self.config = config
+        self.device = next(head.parameters()).device
+        self._context: ContextKV = []  # per layer: keys, values [1, kv_heads, C, d] (C = committed tokens - 1)
+        self._length = 0  # C
+        self._pending: torch.Tensor | None = None  # feature rows [m, D] of the next context positions
+
+    def fork(self) -> DFlashProposer:
+        new = copy.copy(self)
+        new._context, new._length, new._pending = [], 0, None
+        return new
+
+    def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        self._context, self._length = [], 0
+        self._pending = self.head.select_features(target_hidden)[0] if target_hidden is not None else None
+
+    def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
+        assert target_hidden is not None, "the engine must pass hidden states when needs_target_hidden is set"
+        rows = self.head.select_features(target_hidden)[0, result.path.to(target_hidden[-1].device)]  # [A+1, D]
+        self._pending = rows if self._pending is None else torch.cat([self._pending, rows])
+
+    @torch.inference_mode()
+    def _extend(self) -> None:
+        """Project the pending feature rows into every layer's context."""
+        if self._pending is None or self._pending.shape[0] == 0:
+            return
+        m = self._pending.shape[0]
+        positions = torch.arange(self._length, self._length + m, device=self.device)[None]
+        new = self.head.context_kv(self._pending[None].to(self.device), positions)
+        self._context = new if not self._context else [
+            (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(self._context, new)]
+        self._length += m
+        self._pending = None
+
+    def propose(self, ctx: ProposalContext) -> DraftTree:
+        return DFlashProposer.propose_many([self], [ctx])[0]
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_many(rows: Sequence[DFlashProposer], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
+        """Every row's tree, rows of one drafter in one forward (contexts padded to the longest, padding masked)."""
+        trees: list[DraftTree | None] = [None] * len(rows)
+        drafting: list[int] = []
+        for i, (p, c) in enumerate(zip(rows, ctxs)):
+            p._extend()
+            if p._length == 0 or min(p.config.depth, c.max_depth) < 1:
+                trees[i] = DraftTree.root_only(int(c.tokens[-1]))
+            else:
+                assert p._length == c.tokens.shape[0] - 1, "the context must cover every committed token but the last"
+                drafting.append(i)
+        groups: dict[int, list[int]] = {}
+        for i in drafting:
+            groups.setdefault(id(rows[i].head), []).append(i)
+        for group in groups.values():
+            for i, tree in zip(group, _draft_blocks([rows[i] for i in group], [ctxs[i] for i in group])):
+                trees[i] = tree
+        return trees
+
+
+def _draft_blocks(rows: list[DFlashProposer], ctxs: list[ProposalContext]) -> list[DraftTree]:
+    head, dev = rows[0].head, rows[0].device
+    depths = [min(p.config.depth, c.max_depth) for p, c in zip(rows, ctxs)]
+    width = max(depths) + 1
+    lengths = [p._length for p in rows]
+    longest = max(lengths)
+    tokens = torch.full((len(rows), width), head.config.mask_token_id, dtype=torch.long)
+    tokens[:, 0] = torch.tensor([int(c.tokens[-1]) for c in ctxs])
+    positions = (torch.tensor(lengths)[:, None] + torch.arange(width)).to(dev)
+    if len(rows) == 1:
+        context, mask = rows[0]._context, None
+    else:  # pad every row's context to the longest; a row's queries never see its padding
+        context = []
+        for layer in range(len(head.layers)):
+            keys, values = [], []
+            for p in rows:
+                k, v = p._context[layer]
+                pad = longest - k.shape[2]
+                keys.append(torch.nn.functional.pad(k, (0, 0, 0, pad)))
+                values.append(torch.nn.functional.pad(v, (0, 0, 0, pad)))
+            context.append((torch.cat(keys), torch.cat(values)))
+        visible = torch.ones(len(rows), width, longest + width, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            visible[b, :, n:longest] = False
+        mask = additive_mask(visible, head.compute_dtype, dev)
+    out = head(tokens.to(dev), positions, context, mask)  # [B, width, H]
+    logp = head.draft_logits(out[:, 1:]).float().log_softmax(-1)  # [B, width-1, Vd]
+    return [block_tree(p.config, int(c.tokens[-1]), logp[b, :d], head.token_ids)
+            for b, (p, c, d) in enumerate(zip(rows, ctxs, depths))]
+
+
+def _build(target, options: EagleOptions, load_draft) -> Proposer:
+    base = eagle_tree(options.tree)
+    head = load_drafter(options.heads, target, kind=KIND_NAME)
+    if options.draft_dtype == "int8":
+        quantize_linears(head)
+    drafted = head.config.block_size - 1
+    tree = EagleTreeConfig(depth=options.depth or drafted, topk=options.topk or base.topk,
+                           total_tokens=options.total_tokens or base.total_tokens,
+                           min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
+                           else options.min_expected_accepted)
+    return with_heads_options(DFlashProposer(head, tree), target, options, node_budget(target, options.node_budget))
+
+
+register_method(Method(
+    name=KIND_NAME, summary="a DFlash block drafter: one forward fills a block, expanded into a tree, prompt lookup "
+                            "grafted on",
+    options=EagleOptions, build=_build, arg="heads", arg_hint="DIR", trees=EAGLE_TREES,
+))

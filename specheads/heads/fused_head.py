@@ -1,0 +1,77 @@
+"""What the drafters that read the target's fused layers share (eagle3, peagle, dflash): the target's frozen token
+embedding, the feature rows they read, and an output side (final norm, LM head over a draft vocabulary) that
+starts as the target's own next-token head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from specheads.features import feature_rows, feature_width
+from specheads.heads.draft_vocab import check_draft_vocab
+
+# Fields of the draft layer's HF config a drafter may set apart from its target's (an imported drafter's
+# transformer_layer_config can differ in these); anything else is the target's.
+LAYER_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "hidden_act", "attention_bias", "mlp_bias", "rope_parameters", "max_position_embeddings")
+
+
+def check_fused_config(config: Any, kind: str) -> None:
+    """Validate (and normalise) the fields every fused-layer drafter's config has: num_layers, aux_layers,
+    draft_vocab, layer; and mask_token_id where it has one."""
+    if config.num_layers < 1:
+        raise ValueError(f"{kind} num_layers must be >= 1, got {config.num_layers}")
+    object.__setattr__(config, "aux_layers", tuple(int(i) for i in config.aux_layers))
+    if not config.aux_layers:
+        raise ValueError(f"{kind} aux_layers must name at least one target layer (default: 2, L//2, L-3)")
+    object.__setattr__(config, "draft_vocab", check_draft_vocab(config.draft_vocab, config.vocab_size, kind))
+    unknown = sorted(set(config.layer) - set(LAYER_FIELDS))
+    if unknown:
+        raise ValueError(f"{kind} layer may only set {', '.join(LAYER_FIELDS)}; got {unknown}")
+    mask = getattr(config, "mask_token_id", None)
+    if mask is not None and not 0 <= mask < config.vocab_size:
+        raise ValueError(f"{kind} mask_token_id {mask} is outside the target vocabulary [0, {config.vocab_size}); "
+                         "pick an id of a token the target rarely sees (e.g. its pad token)")
+
+
+class FusedHead(nn.Module):
+    """Base of such heads: `config` has hidden_size, aux_layers, draft_vocab and draft_vocab_size."""
+
+    config: Any
+
+    def _add_output(self, target: nn.Module, decoder: nn.Module, layer_cfg: Any) -> None:
+        """The final norm and draft LM head (starting as the target's), the rotary embedding, the shared embedding."""
+        h = self.config.hidden_size
+        self.norm = type(decoder.norm)(h, eps=layer_cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, self.config.draft_vocab_size, bias=False)
+        self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
+        self._frozen = (target.get_input_embeddings(),)  # shared, frozen, outside this module's parameters
+        draft = self.config.draft_vocab
+        ids = None if draft is None else torch.tensor(draft, dtype=torch.long)
+        self.register_buffer("draft_ids", ids, persistent=False)  # [Vd] or None; rebuilt from the config
+        with torch.no_grad():  # start from the target's own next-token head
+            rows = target.get_output_embeddings().weight
+            self.lm_head.weight.copy_(rows if ids is None else rows[ids.to(rows.device)])
+            self.norm.weight.copy_(decoder.norm.weight)
+
+    def _to_target_dtype(self, target: nn.Module) -> None:
+        dtype = next(target.parameters()).dtype
+        for name, module in self.named_children():
+            if name != "rotary_emb":  # its inverse frequencies stay fp32, as in the target
+                module.to(dtype)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._frozen[0]
+
+    @property
+    def feature_width(self) -> int:  # D: the aux layers and the last layer, the feature rows every drafter reads
+        return feature_width(self.config.hidden_size, self.config.aux_layers)
+
+    def select_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:  # HF hidden_states -> [..., D]
+        return feature_rows(hidden_states, self.config.aux_layers)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into the draft logits -> token ids
+        return index if self.draft_ids is None else self.draft_ids[index]
