@@ -4,8 +4,8 @@ Per sequence the proposer keeps every draft layer's context keys and values: one
 the last (the anchor, whose target hidden state the next verify computes). After each verify the accepted path's
 feature rows are projected into them (they are the positions right after the context, up to the new anchor).
 Each step drafts [anchor, mask, ...] in one forward over that context and builds the tree from the slots'
-distributions as `peagle` does (best-first over the block's top-k per position). Rows draft together: their
-contexts are padded to the longest (padding masked), one forward for every row.
+distributions as `peagle` does (best-first over the block's top-k per position). Rows draft together: one
+forward for every row, each row attending over its own context.
 
 Drafts are deterministic top-k choices, so verification is exact for greedy and sampling alike.
 """
@@ -18,8 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from specheads.heads.checkpoint import load_drafter
-from specheads.heads.dflash import KIND_NAME, ContextKV, DFlashHead
-from specheads.inference.batch_cache import additive_mask
+from specheads.heads.dflash import KIND_NAME, KV, DFlashHead
 from specheads.inference.methods import Method, register_method
 from specheads.inference.node_budget import node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
@@ -42,7 +41,7 @@ class DFlashProposer:
         self.head = head.eval()
         self.config = config
         self.device = next(head.parameters()).device
-        self._context: ContextKV = []  # per layer: keys, values [1, kv_heads, C, d] (C = committed tokens - 1)
+        self._context: list[KV] = []  # per layer: keys, values [1, kv_heads, C, d] (C = committed tokens - 1)
         self._length = 0  # C
         self._pending: torch.Tensor | None = None  # feature rows [m, D] of the next context positions
 
@@ -79,7 +78,7 @@ class DFlashProposer:
     @staticmethod
     @torch.inference_mode()
     def propose_many(rows: Sequence[DFlashProposer], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
-        """Every row's tree, rows of one drafter in one forward (contexts padded to the longest, padding masked)."""
+        """Every row's tree, rows of one drafter in one forward (each row's tree is its lone one)."""
         trees: list[DraftTree | None] = [None] * len(rows)
         drafting: list[int] = []
         for i, (p, c) in enumerate(zip(rows, ctxs)):
@@ -101,29 +100,15 @@ class DFlashProposer:
 def _draft_blocks(rows: list[DFlashProposer], ctxs: list[ProposalContext]) -> list[DraftTree]:
     head, dev = rows[0].head, rows[0].device
     depths = [min(p.config.depth, c.max_depth) for p, c in zip(rows, ctxs)]
-    width = max(depths) + 1
+    width = head.config.block_size  # the whole block, as trained (its slots see each other), whatever the depth
     lengths = [p._length for p in rows]
-    longest = max(lengths)
     tokens = torch.full((len(rows), width), head.config.mask_token_id, dtype=torch.long)
     tokens[:, 0] = torch.tensor([int(c.tokens[-1]) for c in ctxs])
     positions = (torch.tensor(lengths)[:, None] + torch.arange(width)).to(dev)
-    if len(rows) == 1:
-        context, mask = rows[0]._context, None
-    else:  # pad every row's context to the longest; a row's queries never see its padding
-        context = []
-        for layer in range(len(head.layers)):
-            keys, values = [], []
-            for p in rows:
-                k, v = p._context[layer]
-                pad = longest - k.shape[2]
-                keys.append(torch.nn.functional.pad(k, (0, 0, 0, pad)))
-                values.append(torch.nn.functional.pad(v, (0, 0, 0, pad)))
-            context.append((torch.cat(keys), torch.cat(values)))
-        visible = torch.ones(len(rows), width, longest + width, dtype=torch.bool)
-        for b, n in enumerate(lengths):
-            visible[b, :, n:longest] = False
-        mask = additive_mask(visible, head.compute_dtype, dev)
-    out = head(tokens.to(dev), positions, context, mask)  # [B, width, H]
+    # Projections and MLPs run over every row at once; each row attends over its own context, unpadded, so its
+    # drafts are the ones it drafts alone.
+    context = [[p._context[layer] for p in rows] for layer in range(len(head.layers))]
+    out = head(tokens.to(dev), positions, context)  # [B, width, H]
     logp = head.draft_logits(out[:, 1:]).float().log_softmax(-1)  # [B, width-1, Vd]
     return [block_tree(p.config, int(c.tokens[-1]), logp[b, :d], head.token_ids)
             for b, (p, c, d) in enumerate(zip(rows, ctxs, depths))]

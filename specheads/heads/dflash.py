@@ -67,6 +67,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, kv_heads, C, d]
+LayerContext = KV | list[KV]  # one layer's context: batched (under a mask), or one pair per row
+ContextKV = list[LayerContext]  # per layer
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: Any, norm_cls: type[nn.Module]) -> None:
         super().__init__()
@@ -88,19 +93,29 @@ class DFlashAttention(nn.Module):
         k = _rope(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), *rope)
         return k, self._split(self.v_proj(x), self.kv_heads)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                context: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, Q, H] (normed block), context keys/values [B, kv, C, d], mask [B, 1, Q, C+Q] additive or None."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: LayerContext,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, Q, H] (normed block); `context` the layer's context keys/values, [B, kv, C, d] each under `mask`
+        [B, 1, Q, C+Q] (additive; None: all visible), or one pair per row, each [1, kv, C_r, d], every row attending
+        over its own (so a row's result is the one it gets alone)."""
         q = _rope(self.q_norm(self._split(self.q_proj(x), self.heads)), *rope)
         k, v = self.keys_values(x, rope)
+        if isinstance(context, list):
+            out = torch.cat([self._attend(q[r : r + 1], k[r : r + 1], v[r : r + 1], kv, None)
+                             for r, kv in enumerate(context)])
+        else:
+            out = self._attend(q, k, v, context, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor | None) -> torch.Tensor:  # -> [B, heads, Q, d]
         k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
         groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         if mask is not None:
             scores = scores + mask
-        out = scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v  # [B, heads, Q, d]
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class DFlashLayer(nn.Module):
@@ -111,13 +126,10 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                context: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], context: LayerContext,
+                mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, C, d]
 
 
 class DFlashHead(FusedHead):
@@ -148,7 +160,7 @@ class DFlashHead(FusedHead):
         cos, sin = self.rotary_emb(x, position_ids=positions)
         return cos.to(x.dtype), sin.to(x.dtype)
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[KV]:
         """Target feature rows [B, C, D] at `positions` [B, C] -> every layer's context keys and values."""
         aux = features[..., : -self.config.hidden_size]  # the last layer's columns are the training target only
         ctx = self.hidden_norm(self.fc(aux.to(self.compute_dtype)))
@@ -157,8 +169,9 @@ class DFlashHead(FusedHead):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, context: ContextKV,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The block: tokens [B, Q] (anchors and mask tokens) at positions [B, Q], over `context` (`context_kv`),
-        under an additive mask [B, 1, Q, C+Q] (None: every slot sees all) -> [B, Q, H] for `draft_logits`."""
+        """The block: tokens [B, Q] (anchors and mask tokens) at positions [B, Q], over `context` (`context_kv`, per
+        layer batched under an additive mask [B, 1, Q, C+Q], or per row with every slot seeing all of its row's)
+        -> [B, Q, H] for `draft_logits`."""
         with torch.no_grad():
             x = self.embed_tokens(tokens).to(self.compute_dtype)
         rope = self._rope(x, positions)
