@@ -1,0 +1,128 @@
+"""Acceptance diagnosis: where, and on what, drafts get rejected.
+
+`RejectionLog` is a speculation policy (`adaptive.py`) that drafts as the one it wraps says and, for every verified
+step that drafted anything, records where the draft stopped being accepted: the first rejected draft token (the
+last accepted node's most probable child, or its first when the proposer gives no estimates), the token the
+target put there (the step's bonus token) and the draft position (accepted + 1). A step whose accepted path ran to
+the end of its branch rejected nothing; it is recorded at position 0 ("the draft ran out"). It also counts the
+accepted draft tokens, so each target token gets an acceptance rate. `summarise` aggregates by position, by the
+target token's class (`specheads.token_classes`) and by category; its rows sum to the step counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from specheads.inference.adaptive import AlwaysSpeculate, RowState, Speculation
+from specheads.inference.tree import DraftTree
+from specheads.inference.verifier import VerifyResult
+from specheads.token_classes import TOKEN_CLASSES, TokenClasses
+
+RAN_OUT = 0  # the position of a step that rejected nothing: its accepted path reached the end of its branch
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One verified step that drafted something."""
+
+    category: str
+    position: int  # the first rejected draft's depth (accepted + 1); RAN_OUT when nothing was rejected
+    draft_token: int  # the first rejected draft token (-1 when nothing was rejected)
+    target_token: int  # the token the target put at that position (the step's bonus token)
+
+
+@dataclass
+class RejectionLog:
+    """Drafts as `inner` says; records each drafted step's first rejection (module doc). Set `category` before each
+    generation to attribute its steps."""
+
+    inner: Speculation = field(default_factory=AlwaysSpeculate)
+    category: str = ""
+    steps: list[Rejection] = field(default_factory=list)
+    accepted: Counter = field(default_factory=Counter)  # (category, token) -> accepted draft tokens
+
+    def enabled(self, batch: int) -> bool:
+        return self.inner.enabled(batch)
+
+    def start(self, row: RowState) -> None:
+        self.inner.start(row)
+
+    def depth(self, row: RowState, batch: int) -> int | None:
+        return self.inner.depth(row, batch)
+
+    def observe(self, row: RowState, batch: int, tree: DraftTree, result: VerifyResult) -> None:
+        self.inner.observe(row, batch, tree, result)
+        if tree.num_drafted == 0:
+            return  # a plain step drafted nothing to reject
+        tokens = result.tokens.tolist()
+        for token in tokens[:-1]:
+            self.accepted[self.category, token] += 1
+        last = int(result.path[-1])
+        children = (tree.parents.cpu() == last).nonzero().flatten()
+        if children.numel() == 0:
+            self.steps.append(Rejection(self.category, RAN_OUT, -1, tokens[-1]))
+            return
+        if tree.accept_probs is not None:
+            child = int(children[int(tree.accept_probs[children].argmax())])
+        else:
+            child = int(children[0])
+        self.steps.append(Rejection(self.category, result.num_accepted + 1, int(tree.tokens[child]), tokens[-1]))
+
+
+@dataclass(frozen=True)
+class DiagnosisRow:
+    """Steps of one category whose draft stopped at one position on one class of target token."""
+
+    category: str
+    position: int
+    target_class: str
+    steps: int
+
+
+@dataclass(frozen=True)
+class TokenRejections:
+    """One target token: how often a draft was rejected in its place, and accepted as it."""
+
+    token: int
+    target_class: str
+    rejected: int
+    accepted: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(self.accepted + self.rejected, 1)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    rows: list[DiagnosisRow]  # (category, position, class) -> steps; they sum to `steps`
+    steps: int
+    stopped_on: dict[str, float]  # class -> share of steps whose first rejection was in the place of such a token
+    by_position: dict[int, int]  # position -> steps (RAN_OUT: nothing rejected)
+    most_rejected: list[TokenRejections]
+
+    def to_json(self) -> dict:
+        return {"steps": self.steps, "stopped_on": self.stopped_on, "by_position": self.by_position,
+                "rows": [asdict(r) for r in self.rows],
+                "most_rejected": [asdict(t) | {"acceptance_rate": t.acceptance_rate} for t in self.most_rejected]}
+
+
+def summarise(log: RejectionLog, classes: TokenClasses, top: int = 10) -> Diagnosis:
+    """Aggregate a log: rows by (category, position, target class), the share of steps stopped on each class,
+    steps by position, and the `top` most often rejected target tokens with their acceptance rates."""
+    names = classes.names([s.target_token for s in log.steps]) if log.steps else []
+    rows = Counter((s.category, s.position, name) for s, name in zip(log.steps, names))
+    rejected = [(s, name) for s, name in zip(log.steps, names) if s.position != RAN_OUT]
+    stopped = Counter(name for _, name in rejected)
+    n = len(log.steps)
+    by_token = Counter(s.target_token for s, _ in rejected)
+    accepted = Counter()
+    for (_, token), count in log.accepted.items():
+        accepted[token] += count
+    most = [TokenRejections(token, classes.names([token])[0], count, accepted[token])
+            for token, count in by_token.most_common(top)]
+    return Diagnosis(
+        rows=[DiagnosisRow(c, p, k, v) for (c, p, k), v in sorted(rows.items())], steps=n,
+        stopped_on={k: stopped[k] / max(n, 1) for k in TOKEN_CLASSES},
+        by_position=dict(sorted(Counter(s.position for s in log.steps).items())), most_rejected=most)
