@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
+from specheads.inference.diagnosis import RejectionLog
 from specheads.inference.engine import Engine
 from specheads.inference.methods import METHODS, DraftLoader, make_proposer
 from specheads.inference.proposers.base import Proposer
@@ -133,8 +134,9 @@ class Runner(Protocol):
 class _EngineRunner:
     measures_tau = True
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, log: RejectionLog | None = None) -> None:
         self.engine = engine
+        self.log = log  # its steps' first rejections (`--diagnose`), or None
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                  stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
@@ -196,8 +198,10 @@ class _HFGenerate:
         return new, stats
 
 
-def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader) -> dict[str, Runner]:
-    """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here."""
+def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader,
+                  diagnose: bool = False) -> dict[str, Runner]:
+    """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
+    `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`)."""
     runners: dict[str, Runner] = {}
     for spec in specs:
         if spec.method == "hf":
@@ -212,7 +216,9 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
         elif spec.method == "hf-pld":
             runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
         else:
-            runners[spec.name] = _EngineRunner(Engine(target, make_proposer(spec.method, target, spec.options, load_draft)))
+            log = RejectionLog() if diagnose else None
+            engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log)
+            runners[spec.name] = _EngineRunner(engine, log)
     return runners
 
 
@@ -257,6 +263,9 @@ def run_bench(
         raise ValueError("--turns 2 needs two turns per question; the questions file has single-turn questions")
 
     def gen(name: str, prompt: list[int], q: Question, turn: int) -> tuple[list[int], GenerationStats]:
+        log = getattr(runners[name], "log", None)
+        if log is not None:
+            log.category = q.category
         # Every method draws with the question's own seed, so methods compare on equal randomness.
         return runners[name].generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling.for_draw(q.question_id, turn),
                                       stop_token_ids=stop_token_ids)
@@ -264,6 +273,11 @@ def run_bench(
     for q in questions[:warmup]:
         for name in runners:
             gen(name, render_chat(tokenizer, [q.turns[0]]), q, 1)
+    for runner in runners.values():  # the warm-up is not diagnosed either
+        log = getattr(runner, "log", None)
+        if log is not None:
+            log.steps.clear()
+            log.accepted.clear()
     for q in questions:
         for name, runner in runners.items():
             history: list[str] = []

@@ -215,6 +215,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report-to", choices=("none", "wandb"), default="none",
                    help="wandb: also log tables and charts as a W&B run (works with WANDB_MODE=offline)")
     p.add_argument("--wandb-project", help="W&B project (default: $WANDB_PROJECT or 'specheads')")
+    p.add_argument("--diagnose", action="store_true",
+                   help="also record where drafts are rejected: by draft position, by the class of the target's token "
+                        "(whitespace, punctuation, structural, digits, word, end of turn) and by category, with the most "
+                        "rejected tokens (diagnosis.json, tables in summary.md, diagnosis.png)")
     p.set_defaults(func=_run_bench)
 
 
@@ -280,7 +284,7 @@ def _run_bench(args: argparse.Namespace) -> None:
                                    weight_layout=args.weight_layout, fp32_head=args.fp32_head, adapter=args.adapter)
 
     load_draft = _draft_loader(model, tokenizer, args)
-    runners = build_runners(model, specs, load_draft)
+    runners = build_runners(model, specs, load_draft, diagnose=args.diagnose)
 
     # 3. Run, appending each finished generation to results.jsonl as it comes (rewritten with exactness marks at the end).
     results = (args.output / "results.jsonl").open("w", encoding="utf-8") if args.output is not None else None
@@ -334,8 +338,29 @@ def _run_bench(args: argparse.Namespace) -> None:
             run_dir = bench_report.log_wandb(report, records, plots, run_dir=args.output, project=args.wandb_project,
                                              name=args.output.name if args.output is not None else None)
             print(f"W&B run: {run_dir}", file=sys.stderr)
+    if args.diagnose:
+        _report_diagnosis(runners, tokenizer, model, args)
     if interrupted:
         raise KeyboardInterrupt
+
+
+def _report_diagnosis(runners, tokenizer, model, args: argparse.Namespace) -> None:
+    from specheads.inference.diagnosis import diagnosis_markdown, plot_diagnosis, summarise
+    from specheads.target import stop_token_ids
+    from specheads.token_classes import token_classes
+
+    classes = token_classes(tokenizer, model.config.get_text_config().vocab_size, stop_token_ids(tokenizer, model))
+    summaries = {name: summarise(r.log, classes) for name, r in runners.items() if getattr(r, "log", None) is not None}
+    text = diagnosis_markdown(summaries, lambda token: tokenizer.decode([token]))
+    print()
+    print(text)
+    if args.output is not None:
+        (args.output / "diagnosis.json").write_text(
+            json.dumps({name: d.to_json() for name, d in summaries.items()}, indent=2) + "\n", encoding="utf-8")
+        with (args.output / "summary.md").open("a", encoding="utf-8") as summary:
+            summary.write("\n" + text)
+        if not args.no_plots:
+            plot_diagnosis(summaries, args.output / "diagnosis.png")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

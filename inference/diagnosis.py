@@ -126,3 +126,51 @@ def summarise(log: RejectionLog, classes: TokenClasses, top: int = 10) -> Diagno
         rows=[DiagnosisRow(c, p, k, v) for (c, p, k), v in sorted(rows.items())], steps=n,
         stopped_on={k: stopped[k] / max(n, 1) for k in TOKEN_CLASSES},
         by_position=dict(sorted(Counter(s.position for s in log.steps).items())), most_rejected=most)
+
+
+def diagnosis_markdown(summaries: dict[str, Diagnosis], decode) -> str:
+    """The tables of a diagnosed run: per method the share of steps that stopped on each class and the steps by
+    position, then each method's most rejected target tokens (`decode(id)` shows them)."""
+    lines = ["## Where drafts are rejected", "",
+             "Share of drafting steps whose first rejected draft stood in the place of a target token of each class "
+             "(the rest ran out of draft):", "",
+             "| method | steps | " + " | ".join(TOKEN_CLASSES) + " | ran out |",
+             "|---|---|" + "---|" * (len(TOKEN_CLASSES) + 1)]
+    for method, d in summaries.items():
+        ran_out = d.by_position.get(RAN_OUT, 0) / max(d.steps, 1)
+        lines.append(f"| {method} | {d.steps} | " + " | ".join(f"{d.stopped_on[k]:.2f}" for k in TOKEN_CLASSES)
+                     + f" | {ran_out:.2f} |")
+    deepest = max((p for d in summaries.values() for p in d.by_position), default=0)
+    lines += ["", "Steps by the position of the first rejected draft:", "",
+              "| method | " + " | ".join(str(p) for p in range(1, deepest + 1)) + " |",
+              "|---|" + "---|" * deepest]
+    for method, d in summaries.items():
+        lines.append(f"| {method} | " + " | ".join(str(d.by_position.get(p, 0)) for p in range(1, deepest + 1)) + " |")
+    lines += ["", "Most rejected target tokens (acceptance rate: accepted drafts of the token over accepted and rejected):",
+              "", "| method | token | class | rejected | accepted | acceptance rate |", "|---|---|---|---|---|---|"]
+    for method, d in summaries.items():
+        for t in d.most_rejected:
+            lines.append(f"| {method} | `{decode(t.token)!r}` | {t.target_class} | {t.rejected} | {t.accepted} | "
+                         f"{t.acceptance_rate:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_diagnosis(summaries: dict[str, Diagnosis], path) -> None:
+    """A bar chart: per method, the share of drafting steps stopped on each token class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(TOKEN_CLASSES) * max(len(summaries), 1) / 2), 4))
+    width = 0.8 / max(len(summaries), 1)
+    for i, (method, d) in enumerate(summaries.items()):
+        ax.bar([c + i * width for c in range(len(TOKEN_CLASSES))], [d.stopped_on[k] for k in TOKEN_CLASSES],
+               width=width, label=method)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(TOKEN_CLASSES))], TOKEN_CLASSES)
+    ax.set_ylabel("share of drafting steps stopped here")
+    ax.set_title("First rejected draft, by the class of the target's token")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

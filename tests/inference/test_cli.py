@@ -137,6 +137,24 @@ def test_bench_compares_methods_in_one_run(tiny_model_dir, questions_file, tmp_p
     assert ngram["tau"] == pytest.approx(sum(taus) / len(taus), abs=1e-3)
 
 
+def test_bench_diagnose_writes_where_drafts_were_rejected(tiny_model_dir, questions_file, tmp_path, capsys):
+    out_dir = tmp_path / "bench"
+    code, out, err = run_cli(["bench", "--target", str(tiny_model_dir), "--methods", "ar,ngram,draft:early-exit:2",
+                              "--questions", str(questions_file), "--max-new-tokens", "16", "--warmup", "1",
+                              "--diagnose", "--output", str(out_dir)], capsys)
+    assert code == 0, err
+    assert "## Where drafts are rejected" in out and "## Where drafts are rejected" in (out_dir / "summary.md").read_text()
+    diagnosis = json.loads((out_dir / "diagnosis.json").read_text())
+    assert set(diagnosis) == {"ar", "ngram", "draft:early-exit:2"}
+    rows = [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]
+    for method, d in diagnosis.items():
+        drafting = sum(r["stats"]["draft_steps"] for r in rows if r["method"] == method)  # the warm-up not counted
+        assert d["steps"] == drafting == sum(row["steps"] for row in d["rows"]), method
+        assert sum(d["by_position"].values()) == d["steps"]
+    assert diagnosis["ar"]["steps"] == 0 and diagnosis["draft:early-exit:2"]["steps"] > 0
+    assert (out_dir / "diagnosis.png").stat().st_size > 0
+
+
 def test_console_script_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "specheads.inference.cli", "generate", "--prompt", "x",
                            "--max-new-tokens", "4", "--method", "nope"], capture_output=True, text=True)
