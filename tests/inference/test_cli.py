@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -137,11 +138,23 @@ def test_bench_compares_methods_in_one_run(tiny_model_dir, questions_file, tmp_p
     assert ngram["tau"] == pytest.approx(sum(taus) / len(taus), abs=1e-3)
 
 
-def test_bench_diagnose_writes_where_drafts_were_rejected(tiny_model_dir, questions_file, tmp_path, capsys):
+STRUCTURED = Path(__file__).resolve().parents[2] / "data" / "structured.jsonl"
+
+
+def test_the_structured_question_set_is_balanced():
+    from specheads.questions import load_questions
+
+    questions = load_questions(STRUCTURED)
+    assert len({q.question_id for q in questions}) == len(questions) == 12
+    assert {c: sum(q.category == c for q in questions) for c in ("json", "code", "table")} == \
+        {"json": 4, "code": 4, "table": 4}
+
+
+def test_bench_diagnose_writes_where_drafts_were_rejected(tiny_model_dir, tmp_path, capsys):
     out_dir = tmp_path / "bench"
     code, out, err = run_cli(["bench", "--target", str(tiny_model_dir), "--methods", "ar,ngram,draft:early-exit:2",
-                              "--questions", str(questions_file), "--max-new-tokens", "16", "--warmup", "1",
-                              "--diagnose", "--output", str(out_dir)], capsys)
+                              "--questions", str(STRUCTURED), "--per-category", "1", "--max-new-tokens", "16",
+                              "--warmup", "1", "--diagnose", "--output", str(out_dir)], capsys)
     assert code == 0, err
     assert "## Where drafts are rejected" in out and "## Where drafts are rejected" in (out_dir / "summary.md").read_text()
     diagnosis = json.loads((out_dir / "diagnosis.json").read_text())
@@ -152,6 +165,8 @@ def test_bench_diagnose_writes_where_drafts_were_rejected(tiny_model_dir, questi
         assert d["steps"] == drafting == sum(row["steps"] for row in d["rows"]), method
         assert sum(d["by_position"].values()) == d["steps"]
     assert diagnosis["ar"]["steps"] == 0 and diagnosis["draft:early-exit:2"]["steps"] > 0
+    categories = {row["category"] for row in diagnosis["draft:early-exit:2"]["rows"]}
+    assert categories <= {"json", "code", "table"} and categories
     assert (out_dir / "diagnosis.png").stat().st_size > 0
 
 
