@@ -214,8 +214,10 @@ def _key(method: str) -> str:
 
 
 def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, run_dir: Path | None = None,
-              project: str | None = None, name: str | None = None) -> str:
-    """Log the summary tables, per-generation rows, charts and plot images as one W&B run; return its folder.
+              project: str | None = None, name: str | None = None,
+              tables: dict[str, tuple[list[str], list[list]]] | None = None) -> str:
+    """Log the summary tables, per-generation rows, charts, plot images and any further `tables` (name: (columns,
+    rows), e.g. the acceptance diagnosis) as one W&B run; return its folder.
 
     Scalars go to the run summary as `<metric>/<method>`, so the runs table compares bench runs side by side.
     `WANDB_MODE=offline` writes the run under `WANDB_DIR`, else `run_dir`, else ./wandb, with no network.
@@ -252,6 +254,8 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
         for path in plots:
             if path.suffix == ".png":
                 log[f"bench/plot_{path.stem}"] = wandb.Image(str(path))
+        for table, (columns, data) in (tables or {}).items():
+            log[f"bench/{table}"] = wandb.Table(columns=columns, data=data)
         run.log(log)
         for s in report.overall:
             for metric in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "tau", "acceptance_rate",

@@ -328,39 +328,55 @@ def _run_bench(args: argparse.Namespace) -> None:
               f"{m['first_mismatch']}{margin}", file=sys.stderr)
     if report.mismatches:
         print(bench_report.mismatch_summary(report.mismatches), file=sys.stderr)
+    diagnosis = _diagnosis(runners, tokenizer, model) if args.diagnose else None
+    if diagnosis is not None:
+        print()
+        print(diagnosis[1])
     with tempfile.TemporaryDirectory() as scratch:
         plots: list[Path] = []
         if args.output is not None:
             plots = bench_report.write_report(report, records, args.output, plots=not args.no_plots)
         elif args.report_to == "wandb" and not args.no_plots:
             plots = bench_report.write_plots(report, records, Path(scratch))
+        if diagnosis is not None and (args.output is not None or args.report_to == "wandb"):
+            plots += _write_diagnosis(*diagnosis, args.output or Path(scratch), args)
         if args.report_to == "wandb":
             run_dir = bench_report.log_wandb(report, records, plots, run_dir=args.output, project=args.wandb_project,
-                                             name=args.output.name if args.output is not None else None)
+                                             name=args.output.name if args.output is not None else None,
+                                             tables=diagnosis[2] if diagnosis is not None else None)
             print(f"W&B run: {run_dir}", file=sys.stderr)
-    if args.diagnose:
-        _report_diagnosis(runners, tokenizer, model, args)
     if interrupted:
         raise KeyboardInterrupt
 
 
-def _report_diagnosis(runners, tokenizer, model, args: argparse.Namespace) -> None:
-    from specheads.inference.diagnosis import diagnosis_markdown, plot_diagnosis, summarise
+def _diagnosis(runners, tokenizer, model):
+    """(summaries by method, their markdown, their W&B tables) from the runners' rejection logs."""
+    from specheads.inference.diagnosis import diagnosis_markdown, diagnosis_tables, summarise
     from specheads.target import stop_token_ids
     from specheads.token_classes import token_classes
 
     classes = token_classes(tokenizer, model.config.get_text_config().vocab_size, stop_token_ids(tokenizer, model))
     summaries = {name: summarise(r.log, classes) for name, r in runners.items() if getattr(r, "log", None) is not None}
-    text = diagnosis_markdown(summaries, lambda token: tokenizer.decode([token]))
-    print()
-    print(text)
+
+    def decode(token: int) -> str:
+        return tokenizer.decode([token])
+
+    return summaries, diagnosis_markdown(summaries, decode), diagnosis_tables(summaries, decode)
+
+
+def _write_diagnosis(summaries, text: str, tables, folder: Path, args: argparse.Namespace) -> list[Path]:
+    """diagnosis.json and the tables appended to summary.md (with --output), and diagnosis.png; returns the plots."""
+    from specheads.inference.diagnosis import plot_diagnosis
+
     if args.output is not None:
-        (args.output / "diagnosis.json").write_text(
+        (folder / "diagnosis.json").write_text(
             json.dumps({name: d.to_json() for name, d in summaries.items()}, indent=2) + "\n", encoding="utf-8")
-        with (args.output / "summary.md").open("a", encoding="utf-8") as summary:
+        with (folder / "summary.md").open("a", encoding="utf-8") as summary:
             summary.write("\n" + text)
-        if not args.no_plots:
-            plot_diagnosis(summaries, args.output / "diagnosis.png")
+    if args.no_plots:
+        return []
+    plot_diagnosis(summaries, folder / "diagnosis.png")
+    return [folder / "diagnosis.png"]
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -174,3 +174,16 @@ def plot_diagnosis(summaries: dict[str, Diagnosis], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def diagnosis_tables(summaries: dict[str, Diagnosis], decode) -> dict[str, tuple[list[str], list[list]]]:
+    """The diagnosis as named tables (columns, rows): the shares stopped on each class, the rows by category,
+    position and class, and the most rejected tokens."""
+    stopped = [[m, d.steps, *(d.stopped_on[k] for k in TOKEN_CLASSES), d.by_position.get(RAN_OUT, 0) / max(d.steps, 1)]
+               for m, d in summaries.items()]
+    rows = [[m, r.category, r.position, r.target_class, r.steps] for m, d in summaries.items() for r in d.rows]
+    tokens = [[m, decode(t.token), t.target_class, t.rejected, t.accepted, t.acceptance_rate]
+              for m, d in summaries.items() for t in d.most_rejected]
+    return {"diagnosis_stopped_on": (["method", "steps", *TOKEN_CLASSES, "ran_out"], stopped),
+            "diagnosis_rows": (["method", "category", "position", "target_class", "steps"], rows),
+            "diagnosis_tokens": (["method", "token", "class", "rejected", "accepted", "acceptance_rate"], tokens)}

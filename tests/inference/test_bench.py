@@ -238,14 +238,20 @@ def test_wandb_offline_writes_a_run(tiny_model_dir, questions_file, tmp_path, ca
                        "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(key, value)
     code, _, err = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,ngram", "--questions", str(questions_file),
-                            "--limit", "2", "--max-new-tokens", "6", "--warmup", "0", "--report-to", "wandb"], capsys)
+                            "--limit", "2", "--max-new-tokens", "6", "--warmup", "0", "--report-to", "wandb",
+                            "--diagnose"], capsys)
     assert code == 0, err
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and f"W&B run: {runs[0]}" in err
     assert next(runs[0].glob("run-*.wandb")).stat().st_size > 0
     table = json.loads(next(runs[0].glob("files/media/table/bench/summary_*.table.json")).read_text())
     assert "tau" in table["columns"] and {row[1] for row in table["data"]} == {"ar", "ngram"}
-    assert len(list(runs[0].glob("files/media/images/bench/plot_*.png"))) == 3
+    assert len(list(runs[0].glob("files/media/images/bench/plot_*.png"))) == 4  # with the diagnosis
+    stopped = json.loads(next(runs[0].glob("files/media/table/bench/diagnosis_stopped_on_*.table.json")).read_text())
+    assert "structural" in stopped["columns"] and {row[0] for row in stopped["data"]} == {"ar", "ngram"}
+    rows = json.loads(next(runs[0].glob("files/media/table/bench/diagnosis_rows_*.table.json")).read_text())
+    ngram_steps = next(row[1] for row in stopped["data"] if row[0] == "ngram")
+    assert sum(row[4] for row in rows["data"] if row[0] == "ngram") == ngram_steps
 
 
 def test_heads_of_another_target_fail_as_one_line(tiny_model_dir, questions_file, tmp_path, capsys):
