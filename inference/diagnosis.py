@@ -128,6 +128,18 @@ def summarise(log: RejectionLog, classes: TokenClasses, top: int = 10) -> Diagno
         by_position=dict(sorted(Counter(s.position for s in log.steps).items())), most_rejected=most)
 
 
+def by_category(diagnosis: Diagnosis) -> dict[str, tuple[int, dict[str, float], float]]:
+    """Per category: its drafting steps, the share of them stopped on each class, and the share that ran out."""
+    out: dict[str, tuple[int, dict[str, float], float]] = {}
+    for category in sorted({r.category for r in diagnosis.rows}):
+        rows = [r for r in diagnosis.rows if r.category == category]
+        steps = sum(r.steps for r in rows)
+        shares = {k: sum(r.steps for r in rows if r.target_class == k and r.position != RAN_OUT) / steps
+                  for k in TOKEN_CLASSES}
+        out[category] = (steps, shares, sum(r.steps for r in rows if r.position == RAN_OUT) / steps)
+    return out
+
+
 def diagnosis_markdown(summaries: dict[str, Diagnosis], decode) -> str:
     """The tables of a diagnosed run: per method the share of steps that stopped on each class and the steps by
     position, then each method's most rejected target tokens (`decode(id)` shows them)."""
@@ -140,6 +152,13 @@ def diagnosis_markdown(summaries: dict[str, Diagnosis], decode) -> str:
         ran_out = d.by_position.get(RAN_OUT, 0) / max(d.steps, 1)
         lines.append(f"| {method} | {d.steps} | " + " | ".join(f"{d.stopped_on[k]:.2f}" for k in TOKEN_CLASSES)
                      + f" | {ran_out:.2f} |")
+    lines += ["", "The same by category:", "",
+              "| method | category | steps | " + " | ".join(TOKEN_CLASSES) + " | ran out |",
+              "|---|---|---|" + "---|" * (len(TOKEN_CLASSES) + 1)]
+    for method, d in summaries.items():
+        for category, (steps, shares, ran_out) in by_category(d).items():
+            lines.append(f"| {method} | {category} | {steps} | " + " | ".join(f"{shares[k]:.2f}" for k in TOKEN_CLASSES)
+                         + f" | {ran_out:.2f} |")
     deepest = max((p for d in summaries.values() for p in d.by_position), default=0)
     lines += ["", "Steps by the position of the first rejected draft:", "",
               "| method | " + " | ".join(str(p) for p in range(1, deepest + 1)) + " |",

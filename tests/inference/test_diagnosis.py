@@ -4,10 +4,11 @@ position of the first bracket, steps without one ran out of draft, and the rows 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specheads.inference import Engine
-from specheads.inference.diagnosis import RAN_OUT, RejectionLog, summarise
+from specheads.inference.diagnosis import RAN_OUT, RejectionLog, by_category, diagnosis_markdown, summarise
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.tree import DraftTree
 from specheads.token_classes import TOKEN_CLASSES, TokenClasses
@@ -79,3 +80,6 @@ def test_rejections_are_attributed_to_the_bracket_class_at_the_right_positions()
     top = summary.most_rejected[0]
     assert top.target_class == "structural" and top.accepted == 0 and top.acceptance_rate == 0.0
     assert summary.to_json()["rows"][0]["category"] == "coding"
+    steps, shares, ran_out = by_category(summary)["coding"]
+    assert steps == summary.steps and shares["structural"] + ran_out == pytest.approx(1.0)
+    assert "| coding |" in diagnosis_markdown({"m": summary}, str)
