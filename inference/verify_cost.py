@@ -159,14 +159,13 @@ class VerifyCosts:
                  cache_dir: Path | None = None) -> None:
         if (model is None) == (fixed is None):
             raise ValueError("VerifyCosts needs a model to measure or one fixed curve")
-        self.model, self.cache_dir = model, cache_dir
-        self._measured: dict[int, VerifyCost] = {1: fixed} if fixed is not None else {}
-        self._fixed = fixed is not None
+        self.model, self.cache_dir, self.fixed = model, cache_dir, fixed
+        self._measured: dict[int, VerifyCost] = {}
         self._at: dict[int, VerifyCost] = {}
 
     def _power(self, batch: int) -> VerifyCost:
-        if self._fixed:
-            return self._measured[1]
+        if self.fixed is not None:
+            return self.fixed
         if batch not in self._measured:
             self._measured[batch] = verify_cost(self.model, cache_dir=self.cache_dir, batch=batch)
         return self._measured[batch]

@@ -44,8 +44,8 @@ class TokenClasses:
 
     def names(self, ids: torch.Tensor | Iterable[int]) -> list[str]:
         """The class names of `ids`."""
-        return [TOKEN_CLASSES[int(i)] for i in self.of_token[torch.as_tensor(list(ids) if not torch.is_tensor(ids)
-                                                                              else ids, dtype=torch.long)]]
+        index = ids.long() if torch.is_tensor(ids) else torch.tensor(list(ids), dtype=torch.long)
+        return [TOKEN_CLASSES[i] for i in self.of_token[index].tolist()]
 
     def counts(self) -> dict[str, int]:
         """How many tokens of the vocabulary fall in each class."""
@@ -61,10 +61,6 @@ def token_classes(tokenizer, vocab_size: int | None = None, stop_token_ids: Iter
     texts = tokenizer.batch_decode([[i] for i in range(known)], clean_up_tokenization_spaces=False)
     special = set(tokenizer.all_special_ids) | {int(i) for i in stop_token_ids}
     index = {name: i for i, name in enumerate(TOKEN_CLASSES)}
-    of_token = torch.full((size,), index["word"], dtype=torch.long)
-    for i, text in enumerate(texts):
-        of_token[i] = index["end_of_turn" if i in special else text_class(text)]
-    for i in special:
-        if 0 <= i < size:
-            of_token[i] = index["end_of_turn"]
-    return TokenClasses(of_token=of_token)
+    names = ["end_of_turn" if i in special else text_class(text) for i, text in enumerate(texts)]
+    names += ["end_of_turn" if i in special else "word" for i in range(known, size)]  # rows past the tokenizer
+    return TokenClasses(of_token=torch.tensor([index[n] for n in names], dtype=torch.long))

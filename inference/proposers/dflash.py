@@ -22,7 +22,7 @@ from specheads.heads.dflash import KIND_NAME, KV, DFlashHead
 from specheads.inference.methods import Method, register_method
 from specheads.inference.node_budget import node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.eagle import EAGLE_TREES, EagleOptions, EagleTreeConfig, eagle_tree
+from specheads.inference.proposers.eagle import EAGLE_TREES, EagleOptions, EagleTreeConfig, tree_config
 from specheads.inference.proposers.lookup import with_heads_options
 from specheads.inference.proposers.peagle import block_tree
 from specheads.inference.tree import DraftTree
@@ -41,17 +41,18 @@ class DFlashProposer:
         self.head = head.eval()
         self.config = config
         self.device = next(head.parameters()).device
-        self._context: list[KV] = []  # per layer: keys, values [1, kv_heads, C, d] (C = committed tokens - 1)
+        self._buffers: list[KV] = []  # per layer: keys, values [1, kv_heads, capacity, d]
+        self._context: list[KV] = []  # views of their first C entries (C = committed tokens - 1)
         self._length = 0  # C
         self._pending: torch.Tensor | None = None  # feature rows [m, D] of the next context positions
 
     def fork(self) -> DFlashProposer:
         new = copy.copy(self)
-        new._context, new._length, new._pending = [], 0, None
+        new._buffers, new._context, new._length, new._pending = [], [], 0, None
         return new
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
-        self._context, self._length = [], 0
+        self._buffers, self._context, self._length = [], [], 0
         self._pending = self.head.select_features(target_hidden)[0] if target_hidden is not None else None
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
@@ -61,15 +62,26 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def _extend(self) -> None:
-        """Project the pending feature rows into every layer's context."""
+        """Project the pending feature rows into every layer's context (buffers grown by doubling, so a step copies
+        only its new rows)."""
         if self._pending is None or self._pending.shape[0] == 0:
             return
-        m = self._pending.shape[0]
-        positions = torch.arange(self._length, self._length + m, device=self.device)[None]
+        m, n = self._pending.shape[0], self._length
+        positions = torch.arange(n, n + m, device=self.device)[None]
         new = self.head.context_kv(self._pending[None].to(self.device), positions)
-        self._context = new if not self._context else [
-            (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(self._context, new)]
-        self._length += m
+        if not self._buffers or n + m > self._buffers[0][0].shape[2]:
+            size = max(2 * (n + m), 64)
+            grown = []
+            for layer, (k, v) in enumerate(new):
+                kb, vb = k.new_zeros(*k.shape[:2], size, k.shape[3]), v.new_zeros(*v.shape[:2], size, v.shape[3])
+                if self._buffers:
+                    kb[:, :, :n], vb[:, :, :n] = self._buffers[layer][0][:, :, :n], self._buffers[layer][1][:, :, :n]
+                grown.append((kb, vb))
+            self._buffers = grown
+        for (kb, vb), (k, v) in zip(self._buffers, new):
+            kb[:, :, n : n + m], vb[:, :, n : n + m] = k, v
+        self._length = n + m
+        self._context = [(kb[:, :, : self._length], vb[:, :, : self._length]) for kb, vb in self._buffers]
         self._pending = None
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
@@ -115,15 +127,10 @@ def _draft_blocks(rows: list[DFlashProposer], ctxs: list[ProposalContext]) -> li
 
 
 def _build(target, options: EagleOptions, load_draft) -> Proposer:
-    base = eagle_tree(options.tree)
     head = load_drafter(options.heads, target, kind=KIND_NAME)
     if options.draft_dtype == "int8":
         quantize_linears(head)
-    drafted = head.config.block_size - 1
-    tree = EagleTreeConfig(depth=options.depth or drafted, topk=options.topk or base.topk,
-                           total_tokens=options.total_tokens or base.total_tokens,
-                           min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
-                           else options.min_expected_accepted)
+    tree = tree_config(options, options.depth or head.config.block_size - 1)
     return with_heads_options(DFlashProposer(head, tree), target, options, node_budget(target, options.node_budget))
 
 

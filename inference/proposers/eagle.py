@@ -409,15 +409,24 @@ class EagleOptions(HeadsOptions):
         eagle_tree(self.tree)  # a bad name fails before anything loads
 
 
+def tree_config(options: EagleOptions, depth: int) -> EagleTreeConfig:
+    """The tree `options` name (its preset, with --topk/--total-tokens/--min-expected-accepted over its fields),
+    `depth` levels deep."""
+    base = eagle_tree(options.tree)
+    return EagleTreeConfig(depth=depth, topk=options.topk or base.topk,
+                           total_tokens=options.total_tokens or base.total_tokens,
+                           min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
+                           else options.min_expected_accepted)
+
+
 def tree_proposer(target, options: EagleOptions, kind: str,
                   scorer: Callable[[nn.Module], DraftScorer | None] = lambda head: None,
                   proposer: Callable[..., EagleProposer] | None = None) -> Proposer:
     """The `kind` heads in `options.heads` drafting the tree `options` name (built by `proposer`, default
     `EagleProposer`), prompt lookup grafted on. A head that drafts a block of `config.num_depths` tokens drafts that
     deep by default, and no deeper."""
-    base = eagle_tree(options.tree)
     head = load_drafter(options.heads, target, kind=kind)
-    depth = options.depth or base.depth
+    depth = options.depth or eagle_tree(options.tree).depth
     block = getattr(head.config, "num_depths", None)
     if block is not None:
         if options.depth is not None and options.depth > block:
@@ -428,11 +437,7 @@ def tree_proposer(target, options: EagleOptions, kind: str,
     if int8:
         quantize_linears(head)
     budget = node_budget(target, options.node_budget)
-    tree = EagleTreeConfig(depth=depth, topk=options.topk or base.topk,
-                           total_tokens=options.total_tokens or base.total_tokens,
-                           min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None
-                           else options.min_expected_accepted)
-    drafter = (proposer or EagleProposer)(head, tree, vocab=scorer(head), int8_vocab=int8,
+    drafter = (proposer or EagleProposer)(head, tree_config(options, depth), vocab=scorer(head), int8_vocab=int8,
                                           stop_below=budget.stop_below if budget is not None else None)
     return with_heads_options(drafter, target, options, budget)
 

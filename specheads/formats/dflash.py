@@ -27,7 +27,7 @@ from specheads.formats.base import (
     register_importer,
     write_folder,
 )
-from specheads.formats.eagle3 import SPECULATORS_VERSION, _vocabulary
+from specheads.formats.eagle3 import SPECULATORS_VERSION, draft_vocabulary_from_state
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.dflash import KIND_NAME, DFlashConfig
 from specheads.heads.eagle3 import eagle3_mappings
@@ -115,7 +115,7 @@ def read_speculators(folder: Path, meta: Mapping[str, Any], state: dict[str, tor
         cfg = DFlashConfig(hidden_size=int(lc["hidden_size"]), vocab_size=vocab_size,
                            aux_layers=tuple(meta["aux_hidden_state_layer_ids"]),
                            num_layers=int(lc.get("num_hidden_layers", 1)), block_size=int(meta.get("block_size", 8)),
-                           mask_token_id=int(meta["mask_token_id"]), draft_vocab=_vocabulary(state, vocab_size),
+                           mask_token_id=int(meta["mask_token_id"]), draft_vocab=draft_vocabulary_from_state(state, vocab_size),
                            layer={k: lc[k] for k in LAYER_FIELDS if k in lc})
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} ({layout}): {err}") from None

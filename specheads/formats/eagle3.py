@@ -120,7 +120,7 @@ def write_speculators_layout(cfg: Eagle3Config, state: Mapping[str, torch.Tensor
     return write_folder(folder, config, state)
 
 
-def _vocabulary(state: dict[str, torch.Tensor], vocab_size: int) -> tuple[int, ...] | None:
+def draft_vocabulary_from_state(state: dict[str, torch.Tensor], vocab_size: int) -> tuple[int, ...] | None:
     """Pop d2t/t2d; the draft vocabulary they describe, with the LM head's rows sorted by target id to match."""
     state.pop("t2d", None)
     d2t = state.pop("d2t", None)
@@ -147,7 +147,7 @@ def _imported(folder: Path, layout: str, lc: Mapping[str, Any], state: dict[str,
             raise ValueError(f"{folder} ({layout}) names no aux layer ids and no target is known to take the default from")
         aux = list(default_aux_layers(num_target_layers))
     try:
-        vocab = _vocabulary(state, int(lc["vocab_size"]))
+        vocab = draft_vocabulary_from_state(state, int(lc["vocab_size"]))
         cfg = config_cls(hidden_size=int(lc["hidden_size"]), vocab_size=int(lc["vocab_size"]), aux_layers=tuple(aux),
                            num_layers=int(lc.get("num_hidden_layers", 1)), draft_vocab=vocab,
                            layer={k: lc[k] for k in LAYER_FIELDS if k in lc}, **flags)
