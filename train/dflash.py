@@ -17,6 +17,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from specheads.heads.dflash import KIND_NAME, DFlashConfig, DFlashHead
+from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
 from specheads.train.eagle import EVAL_TOPK, chain_eval_row, target_draft_weight
 from specheads.train.eagle3 import FusedHeadsConfig
 from specheads.train.features import batch_features, last_layer
@@ -153,6 +154,7 @@ def dflash_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str,
     target_next = target.get_output_embeddings()(last_layer(features, head.config.hidden_size)).argmax(-1)  # [B, T]
     top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     accepted, starts = torch.zeros(1), torch.zeros(1)
+    scored = []
     for row in range(features.shape[0]):
         positions = candidates[row].nonzero().flatten()
         one = {k: v[row : row + 1] for k, v in batch.items() if torch.is_tensor(v)}
@@ -169,8 +171,9 @@ def dflash_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str,
             totals += valid.sum(0)
             accepted += torch.cumprod(hit.long(), dim=1).sum()
             starts += chunk.numel()
+            scored.append(token_hits(wanted, hit, torch.arange(steps), steps, keep=valid))
     return {"correct_top1": top1, "correct_topk": topk_hits, "positions": totals, "accepted": accepted,
-            "starts": starts}
+            "starts": starts, TOKEN_HITS: join_hits(scored, steps)}
 
 
 register_objective(Objective(

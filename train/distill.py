@@ -39,6 +39,7 @@ from specheads.inference.proposers.parallel_draft import (
     mark_parallel,
     parallel_spec,
 )
+from specheads.train.class_top1 import TOKEN_HITS, token_hits
 from specheads.train.data import next_token_positions
 from specheads.train.divergence import DIVERGENCES, check_divergence, token_divergence, token_divergences
 from specheads.train.features import batch_features
@@ -261,11 +262,14 @@ def distill_eval(drafter: nn.Module, target: nn.Module, batch: dict[str, torch.T
     first = offset == 0
     sums = {f"div_{name}": d.sum().cpu()
             for name, d in token_divergences(DIVERGENCES, target_logits[first], draft_logits[first]).items()}
-    agree = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float().cpu()
+    wanted = target_logits.argmax(-1)
+    hit = draft_logits.argmax(-1) == wanted
+    agree = hit.float().cpu()
     for j in range(int(offset.max()) + 1 if offset.numel() else 1):
         sums[f"agree_{j}"] = agree[offset == j].sum()
         sums[f"positions_{j}"] = torch.tensor(float((offset == j).sum()))
-    return sums
+    spec = _inner(drafter).spec
+    return sums | {TOKEN_HITS: token_hits(wanted, hit, offset.to(wanted.device), 1 if spec is None else spec.k)}
 
 
 def distill_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], None]:

@@ -17,6 +17,7 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import DynamicCache
 
 from specheads.heads.eagle import KIND_NAME, EagleConfig, EagleHead
+from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
 from specheads.train.features import batch_features, last_layer
 from specheads.train.objective import Objective, register_objective
 
@@ -184,12 +185,13 @@ def chain_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
     """
     features = batch_features(target, batch, head.config.aux_layers)  # [B, T, D]
     tokens, feats, positions, counts = _inputs(batch, features)
-    steps = min(steps, tokens.shape[1])
+    depth, steps = steps, min(steps, tokens.shape[1])
     last = last_layer(features, head.config.hidden_size)  # [B, T, H]
     target_next = target.get_output_embeddings()(last[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
     top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     width = tokens.shape[1]
     hits = torch.zeros(steps, *counts.shape, dtype=torch.bool)  # [steps, B, W] step k hit, by chain start
+    scored = []
     for k, pred in enumerate(unroll(head, tokens, feats, positions, steps)):
         ranked = head.token_ids(head.draft_logits(pred).topk(topk, dim=-1).indices)  # [B, W, topk] token ids
         hit = ranked[..., 0] == target_next
@@ -197,10 +199,12 @@ def chain_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
         valid = _valid(counts, k)
         top1[k], topk_hits[k], totals[k] = (hit & valid).sum(), (hitk & valid).sum(), valid.sum()
         hits[k, :, : width - k] = (hit & valid)[:, k:]  # re-indexed by chain start i - k
+        scored.append(token_hits(target_next, hit, k, depth, keep=valid))
     run = torch.cumprod(hits.long(), dim=0)  # still accepted at every step so far
     accepted = run.sum(0)[counts].sum()
     return {"correct_top1": top1, "correct_topk": topk_hits, "positions": totals,
-            "accepted": accepted.float().reshape(1), "starts": counts.sum().float().reshape(1)}
+            "accepted": accepted.float().reshape(1), "starts": counts.sum().float().reshape(1),
+            TOKEN_HITS: join_hits(scored, depth)}
 
 
 def chain_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], None]:

@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from specheads.heads.medusa import KIND_NAME, MedusaConfig, MedusaHeads, medusa_loss
+from specheads.train.class_top1 import TOKEN_HITS, TokenHits, join_hits, token_hits
 from specheads.train.features import batch_features
 from specheads.train.objective import Objective, register_objective
 from specheads.trees import build_static_tree
@@ -69,20 +70,21 @@ def medusa_step_loss(heads: torch.nn.Module, target: torch.nn.Module, batch: dic
 def medusa_eval(heads: MedusaHeads, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums: hits[k, i] = positions where head k's i-th choice is the target's choice; positions[k]."""
     features, labels = features_and_labels(target, batch)
-    hits, positions = head_hits(heads, features, labels, batch["loss_mask"] * batch["attention_mask"])
-    return {"hits": hits, "positions": positions}
+    hits, positions, scored = head_hits(heads, features, labels, batch["loss_mask"] * batch["attention_mask"])
+    return {"hits": hits, "positions": positions, TOKEN_HITS: scored}
 
 
 @torch.no_grad()
 def head_hits(heads: MedusaHeads, features: torch.Tensor, labels: torch.Tensor,
-              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hits [K, EVAL_TOPK], positions [K]) of the heads on `features` [B, T, H] against `labels` [B, T], counting
-    the positions whose token has `mask` [B, T] set."""
+              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, TokenHits]:
+    """(hits [K, EVAL_TOPK], positions [K], every scored token) of the heads on `features` [B, T, H] against
+    `labels` [B, T], counting the positions whose token has `mask` [B, T] set; head k is draft position k + 1."""
     mask = mask.bool()
     logits = heads(features)  # [K, B, T, V]
     num_heads, _, length, _ = logits.shape
     hits = torch.zeros(num_heads, EVAL_TOPK)
     positions = torch.zeros(num_heads)
+    scored = []
     for k in range(num_heads):
         shift = k + 2
         if length <= shift:
@@ -92,7 +94,8 @@ def head_hits(heads: MedusaHeads, features: torch.Tensor, labels: torch.Tensor,
         gold = labels[:, shift:][keep]
         hits[k] += (top == gold[:, None]).float().sum(0).cpu()
         positions[k] += gold.numel()
-    return hits, positions
+        scored.append(token_hits(gold, top[:, 0] == gold, k, num_heads))
+    return hits, positions, join_hits(scored, num_heads)
 
 
 def medusa_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], list[list[float]]]:

@@ -38,6 +38,7 @@ from torch import nn
 from specheads.adapter import save_adapter
 from specheads.heads.medusa import KIND_NAME, MedusaHeads, medusa_loss
 from specheads.hf import decoder_of
+from specheads.train.class_top1 import TOKEN_HITS
 from specheads.train.data import next_token_positions
 from specheads.train.divergence import token_divergence
 from specheads.train.lora import LoraSettings, with_lora
@@ -190,17 +191,17 @@ def medusa2_step_loss(module: nn.Module, target: nn.Module, batch: dict[str, tor
 
 @torch.no_grad()
 def medusa2_eval(module: Medusa2Module, target: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Medusa-1's sums for the heads on adapted features, the same on the frozen target's features (`frozen_hits`),
-    and the summed self-distillation KL over its positions."""
+    """Medusa-1's sums for the heads on adapted features (by token class too), the same on the frozen target's
+    features (`frozen_hits`), and the summed self-distillation KL over its positions."""
     with module.model.disable_adapter():
         frozen, labels = features_and_labels(target, batch)
     adapted = module.adapted_features(batch["input_ids"], batch["attention_mask"])
     mask = batch["loss_mask"] * batch["attention_mask"]
-    hits, positions = head_hits(module.heads, adapted, labels, mask)
-    frozen_hits, _ = head_hits(module.heads, frozen, labels, mask)
+    hits, positions, scored = head_hits(module.heads, adapted, labels, mask)
+    frozen_hits, _, _ = head_hits(module.heads, frozen, labels, mask)
     kl = _self_distill_kl(target.get_output_embeddings(), frozen, adapted, next_token_positions(batch))
     return {"hits": hits, "positions": positions, "frozen_hits": frozen_hits, "kl": kl.sum().cpu().reshape(1),
-            "kl_positions": torch.tensor([float(kl.numel())])}
+            "kl_positions": torch.tensor([float(kl.numel())]), TOKEN_HITS: scored}
 
 
 def medusa2_eval_row(sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], list[list[float]]]:

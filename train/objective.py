@@ -54,7 +54,8 @@ class Objective:
     build: Callable[[Any, nn.Module, list[int] | None], nn.Module]
     # (module, possibly DDP-wrapped; target; batch; settings) -> (loss, {metric: float}); must include "top1"
     step_loss: Callable[[nn.Module, nn.Module, dict[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, float]]]
-    # (module, target, batch) -> {name: tensor} summed over batches and processes
+    # (module, target, batch) -> {name: tensor} summed over batches and processes; optionally with a
+    # `class_top1.TokenHits` under `class_top1.TOKEN_HITS`, which the recipe reports as top-1 by token class
     eval_sums: Callable[[nn.Module, nn.Module, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     # (summed tensors) -> ({"eval/...": float}, extra handed to `final_config`)
     eval_row: Callable[[dict[str, torch.Tensor]], tuple[dict[str, float], Any]]

@@ -25,6 +25,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from specheads.heads.peagle import KIND_NAME, PEagleConfig, PEagleHead
+from specheads.train.class_top1 import TOKEN_HITS, token_hits
 from specheads.train.eagle import EVAL_TOPK, _inputs, chain_eval_row, target_draft_weight
 from specheads.train.eagle3 import FusedHeadsConfig
 from specheads.train.features import batch_features, last_layer
@@ -168,7 +169,8 @@ def block_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
         hits[d, :, : width - d] = h & v
     accepted = torch.cumprod(hits.long(), dim=0).sum(0)[counts].sum()
     return {"correct_top1": top1, "correct_topk": topk_hits, "positions": totals,
-            "accepted": accepted.float().reshape(1), "starts": counts.sum().float().reshape(1)}
+            "accepted": accepted.float().reshape(1), "starts": counts.sum().float().reshape(1),
+            TOKEN_HITS: token_hits(wanted, hit, depth.expand_as(wanted), steps, keep=valid)}
 
 
 register_objective(Objective(

@@ -28,6 +28,8 @@ from specheads.heads.checkpoint import read_checkpoint
 from specheads.inference.bench import measure
 from specheads.inference.methods import METHODS
 from specheads.target import load_target, stop_token_ids
+from specheads.token_classes import token_classes
+from specheads.train.class_top1 import TOKEN_HITS, class_row, class_sums
 from specheads.train.config import TrainConfig, train_config_dict
 from specheads.train.data import (
     collate,
@@ -226,6 +228,8 @@ def train(cfg: TrainConfig) -> Path:
 
     last_eval_extra: list = []  # [extra] once an evaluation ran in this process
 
+    classes = token_classes(tokenizer, vocab_size, stop_token_ids(tokenizer, target))  # for top-1 by token class
+
     def evaluate() -> dict:
         head.eval()
         sums: dict[str, torch.Tensor] = {}
@@ -233,13 +237,16 @@ def train(cfg: TrainConfig) -> Path:
         for batch in eval_loader:
             with accelerator.autocast():
                 batch_sums = objective.eval_sums(model, target, batch)
+            if TOKEN_HITS in batch_sums:  # counted by class here, where the tokenizer is
+                batch_sums = dict(batch_sums)
+                batch_sums |= class_sums(batch_sums.pop(TOKEN_HITS), classes)
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0) + v.to(accelerator.device)
         head.train()
         sums = {k: accelerator.reduce(v, reduction="sum").cpu() for k, v in sums.items()}
         row, extra = objective.eval_row(sums)
         last_eval_extra[:] = [extra]
-        return row
+        return row | class_row(sums)
 
     def save_checkpoint() -> None:
         ckpt = out / "checkpoints" / f"step_{step}"

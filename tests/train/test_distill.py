@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from specheads.train.__main__ import main as train_main
 from specheads.train.config import load_train_config
 from tests.conftest import base_args
+from tests.train.eval_rows import assert_class_top1_adds_up
 
 
 def distill_args(inputs, out: Path, *extra: str) -> list[str]:
@@ -49,6 +50,7 @@ def test_final_is_a_plain_model_folder_that_drafts_exactly(tiny_run_inputs, tmp_
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/tv" in r]
     assert [r["step"] for r in evals] == [8, 16] and all(0 <= r["eval/top1_step1"] <= 1 for r in evals)
+    assert_class_top1_adds_up(evals[-1], "eval/top1_step1")
     assert rows[-1]["eval/measured_prompts"] == 4 and rows[-1]["eval/measured_tau"] >= 1.0
     saved = yaml_section(out)
     assert saved["drafter"]["divergence"] == "tv" and "heads" not in saved  # config.yaml loads back as written
@@ -149,6 +151,8 @@ def test_a_parallel_run_saves_a_parallel_drafter_that_decodes_exactly(tiny_run_i
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/tv" in r]
     assert all(0 <= evals[-1][f"eval/top1_step{j}"] <= 1 for j in (1, 2, 3)) and "eval/top1_step4" not in evals[-1]
+    assert_class_top1_adds_up(evals[-1], "eval/top1_step1")
+    assert "eval/top1_word_step3" in evals[-1] and "eval/top1_word_step4" not in evals[-1]  # each placeholder's
     assert rows[-1]["eval/measured_prompts"] == 2  # decoded through the parallel proposer
 
     target, _ = load_target(str(tiny_run_inputs[0]))

@@ -12,6 +12,7 @@ import torch
 from specheads.inference.cli import main as cli_main
 from specheads.train.__main__ import main as train_main
 from tests.conftest import base_args, tiny_model
+from tests.train.eval_rows import assert_class_top1_adds_up
 
 PROMPT = "w5 w6 w7 w8 w9"
 MEDUSA2 = ("recipe=medusa2", "heads.num_heads=2", "heads.lora.r=4", "heads.heads_lr_multiplier=2.0")
@@ -110,6 +111,7 @@ def test_the_recipe_trains_in_two_stages_and_saves_heads_and_adapter(run):
     assert max(r["lr"] for r in losses.values()) > 0.01  # the first group is the heads', at lr x 2
     evaluation = next(r for r in rows if "eval/self_distill_kl" in r)
     assert "eval/simulated_tau_chain" in evaluation and "eval/frozen_simulated_tau_chain" in evaluation
+    assert_class_top1_adds_up(evaluation, "eval/top1_head0")  # the heads on the adapted features
     assert 1.0 <= rows[-1]["eval/measured_tau"] and rows[-1]["eval/measured_prompts"] == 2
     final = run / "final"
     cfg = json.loads((final / "config.json").read_text())

@@ -12,6 +12,7 @@ import torch
 from specheads.train.__main__ import main as train_main
 from specheads.train.config import load_train_config
 from tests.conftest import base_args
+from tests.train.eval_rows import assert_class_top1_adds_up
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,6 +36,7 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     assert last < 0.85 * first, losses
     evals = [r for r in metrics(out) if "eval/top1_step1" in r]
     assert [r["step"] for r in evals] == [12, 24] and "eval/simulated_tau_chain" in evals[-1]
+    assert_class_top1_adds_up(evals[-1], "eval/top1_step1")
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["head_type"] == "eagle" and len(cfg["config"]["draft_vocab"]) == 48
     assert cfg["config"]["aux_layers"] == ([1, 2] if heads else [])
@@ -111,6 +113,7 @@ def train_block_drafter(tiny_run_inputs, out: Path, kind: str, *settings: str) -
     rows = metrics(out)
     evals = [r for r in rows if "eval/top1_step3" in r]
     assert evals and 1.0 <= evals[-1]["eval/simulated_tau_chain"] <= 4.0
+    assert_class_top1_adds_up(evals[-1], "eval/top1_step1")
     assert json.loads((out / "final" / "config.json").read_text())["head_type"] == kind
 
     from specheads.inference import Engine
@@ -145,6 +148,7 @@ def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_input
     assert sum(losses[s] for s in (18, 19, 20)) < 0.9 * sum(losses[s] for s in (1, 2, 3)), losses
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["head_type"] == "medusa" and cfg["config"]["tree"], cfg
+    assert_class_top1_adds_up(next(r for r in metrics(out) if "eval/top1_head0" in r), "eval/top1_head0")
 
     from specheads.inference import Engine
     from specheads.inference.methods import METHODS, make_proposer
