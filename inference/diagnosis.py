@@ -101,16 +101,20 @@ class Diagnosis:
     stopped_on: dict[str, float]  # class -> share of steps whose first rejection was in the place of such a token
     by_position: dict[int, int]  # position -> steps (RAN_OUT: nothing rejected)
     most_rejected: list[TokenRejections]
+    # class -> accepted drafts in the place of such tokens over those and the rejected ones (classes drafted at only)
+    acceptance: dict[str, float]
 
     def to_json(self) -> dict:
-        return {"steps": self.steps, "stopped_on": self.stopped_on, "by_position": self.by_position,
+        return {"steps": self.steps, "stopped_on": self.stopped_on, "acceptance": self.acceptance,
+                "by_position": self.by_position,
                 "rows": [asdict(r) for r in self.rows],
                 "most_rejected": [asdict(t) | {"acceptance_rate": t.acceptance_rate} for t in self.most_rejected]}
 
 
 def summarise(log: RejectionLog, classes: TokenClasses, top: int = 10) -> Diagnosis:
-    """Aggregate a log: rows by (category, position, target class), the share of steps stopped on each class,
-    steps by position, and the `top` most often rejected target tokens with their acceptance rates."""
+    """Aggregate a log: rows by (category, position, target class), the share of steps stopped on each class, the
+    acceptance rate of each class, steps by position, and the `top` most often rejected target tokens with their
+    acceptance rates."""
     names = classes.names([s.target_token for s in log.steps]) if log.steps else []
     rows = Counter((s.category, s.position, name) for s, name in zip(log.steps, names))
     rejected = [(s, name) for s, name in zip(log.steps, names) if s.position != RAN_OUT]
@@ -122,10 +126,16 @@ def summarise(log: RejectionLog, classes: TokenClasses, top: int = 10) -> Diagno
         accepted[token] += count
     most = [TokenRejections(token, classes.names([token])[0], count, accepted[token])
             for token, count in by_token.most_common(top)]
+    accepted_by_class = Counter()
+    if accepted:
+        for token, name in zip(accepted, classes.names(list(accepted))):
+            accepted_by_class[name] += accepted[token]
+    tried = {k: accepted_by_class[k] + stopped[k] for k in TOKEN_CLASSES}
     return Diagnosis(
         rows=[DiagnosisRow(c, p, k, v) for (c, p, k), v in sorted(rows.items())], steps=n,
         stopped_on={k: stopped[k] / max(n, 1) for k in TOKEN_CLASSES},
-        by_position=dict(sorted(Counter(s.position for s in log.steps).items())), most_rejected=most)
+        by_position=dict(sorted(Counter(s.position for s in log.steps).items())), most_rejected=most,
+        acceptance={k: accepted_by_class[k] / tried[k] for k in TOKEN_CLASSES if tried[k]})
 
 
 def by_category(diagnosis: Diagnosis) -> dict[str, tuple[int, dict[str, float], float]]:
@@ -152,7 +162,12 @@ def diagnosis_markdown(summaries: dict[str, Diagnosis], decode) -> str:
         ran_out = d.by_position.get(RAN_OUT, 0) / max(d.steps, 1)
         lines.append(f"| {method} | {d.steps} | " + " | ".join(f"{d.stopped_on[k]:.2f}" for k in TOKEN_CLASSES)
                      + f" | {ran_out:.2f} |")
-    lines += ["", "The same by category:", "",
+    lines += ["", "Acceptance rate by class (accepted drafts in the place of such tokens over accepted and rejected; "
+              "- where nothing was drafted):", "", "| method | " + " | ".join(TOKEN_CLASSES) + " |",
+              "|---|" + "---|" * len(TOKEN_CLASSES)]
+    for method, d in summaries.items():
+        lines.append(f"| {method} | " + " | ".join(_rate(d.acceptance.get(k)) for k in TOKEN_CLASSES) + " |")
+    lines += ["", "Share of drafting steps stopped on each class, by category:", "",
               "| method | category | steps | " + " | ".join(TOKEN_CLASSES) + " | ran out |",
               "|---|---|---|" + "---|" * (len(TOKEN_CLASSES) + 1)]
     for method, d in summaries.items():
@@ -174,35 +189,46 @@ def diagnosis_markdown(summaries: dict[str, Diagnosis], decode) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def plot_diagnosis(summaries: dict[str, Diagnosis], path) -> None:
-    """A bar chart: per method, the share of drafting steps stopped on each token class."""
+    """Two bar charts by token class, a bar per method: the acceptance rate, and the share of drafting steps whose
+    first rejection stood in the place of such a token."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(TOKEN_CLASSES) * max(len(summaries), 1) / 2), 4))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 1.2 * len(TOKEN_CLASSES) * max(len(summaries), 1)), 4))
     width = 0.8 / max(len(summaries), 1)
-    for i, (method, d) in enumerate(summaries.items()):
-        ax.bar([c + i * width for c in range(len(TOKEN_CLASSES))], [d.stopped_on[k] for k in TOKEN_CLASSES],
-               width=width, label=method)
-    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(TOKEN_CLASSES))], TOKEN_CLASSES)
-    ax.set_ylabel("share of drafting steps stopped here")
-    ax.set_title("First rejected draft, by the class of the target's token")
-    ax.legend(fontsize=7)
+    panels = ((axes[0], lambda d, k: d.acceptance.get(k, 0.0), "acceptance rate", "Drafts accepted, by token class"),
+              (axes[1], lambda d, k: d.stopped_on[k], "share of drafting steps stopped here",
+               "First rejected draft, by the class of the target's token"))
+    for ax, value, ylabel, title in panels:
+        for i, (method, d) in enumerate(summaries.items()):
+            ax.bar([c + i * width for c in range(len(TOKEN_CLASSES))], [value(d, k) for k in TOKEN_CLASSES],
+                   width=width, label=method)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(TOKEN_CLASSES))], TOKEN_CLASSES, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def diagnosis_tables(summaries: dict[str, Diagnosis], decode) -> dict[str, tuple[list[str], list[list]]]:
-    """The diagnosis as named tables (columns, rows): the shares stopped on each class, the rows by category,
-    position and class, and the most rejected tokens."""
+    """The diagnosis as named tables (columns, rows): the shares stopped on each class, the acceptance rate of each
+    class, the rows by category, position and class, and the most rejected tokens."""
     stopped = [[m, d.steps, *(d.stopped_on[k] for k in TOKEN_CLASSES), d.by_position.get(RAN_OUT, 0) / max(d.steps, 1)]
                for m, d in summaries.items()]
     rows = [[m, r.category, r.position, r.target_class, r.steps] for m, d in summaries.items() for r in d.rows]
     tokens = [[m, decode(t.token), t.target_class, t.rejected, t.accepted, t.acceptance_rate]
               for m, d in summaries.items() for t in d.most_rejected]
     return {"diagnosis_stopped_on": (["method", "steps", *TOKEN_CLASSES, "ran_out"], stopped),
+            "diagnosis_acceptance": (["method", *TOKEN_CLASSES],
+                                     [[m, *(d.acceptance.get(k) for k in TOKEN_CLASSES)] for m, d in summaries.items()]),
             "diagnosis_rows": (["method", "category", "position", "target_class", "steps"], rows),
             "diagnosis_tokens": (["method", "token", "class", "rejected", "accepted", "acceptance_rate"], tokens)}

@@ -25,6 +25,7 @@ from specheads.inference.stats import GenerationStats
 from specheads.inference.verifier import VerifyResult
 from specheads.questions import Question
 from specheads.target import render_chat
+from specheads.token_classes import TOKEN_CLASSES
 from tests.conftest import repetitive_prompt, tiny_model, tiny_tokenizer
 
 QUESTIONS = [
@@ -252,6 +253,8 @@ def test_wandb_offline_writes_a_run(tiny_model_dir, questions_file, tmp_path, ca
     rows = json.loads(next(runs[0].glob("files/media/table/bench/diagnosis_rows_*.table.json")).read_text())
     ngram_steps = next(row[1] for row in stopped["data"] if row[0] == "ngram")
     assert sum(row[4] for row in rows["data"] if row[0] == "ngram") == ngram_steps
+    acceptance = json.loads(next(runs[0].glob("files/media/table/bench/diagnosis_acceptance_*.table.json")).read_text())
+    assert acceptance["columns"][1:] == list(TOKEN_CLASSES) and {row[0] for row in acceptance["data"]} == {"ar", "ngram"}
 
 
 def test_heads_of_another_target_fail_as_one_line(tiny_model_dir, questions_file, tmp_path, capsys):

@@ -77,9 +77,11 @@ def test_rejections_are_attributed_to_the_bracket_class_at_the_right_positions()
     assert {r.target_class for r in summary.rows if r.position != RAN_OUT} == {"structural"}
     assert summary.stopped_on["structural"] == len(rejected) / len(log.steps) and summary.stopped_on["word"] == 0
     assert summary.by_position[RAN_OUT] == len(log.steps) - len(rejected)
+    assert summary.acceptance == {"word": 1.0, "structural": 0.0}  # other classes were never drafted at
     top = summary.most_rejected[0]
     assert top.target_class == "structural" and top.accepted == 0 and top.acceptance_rate == 0.0
     assert summary.to_json()["rows"][0]["category"] == "coding"
     steps, shares, ran_out = by_category(summary)["coding"]
     assert steps == summary.steps and shares["structural"] + ran_out == pytest.approx(1.0)
-    assert "| coding |" in diagnosis_markdown({"m": summary}, str)
+    table = diagnosis_markdown({"m": summary}, str)
+    assert "| coding |" in table and "| m | 1.00 | - | - | 0.00 | - | - |" in table  # acceptance by class
