@@ -201,7 +201,8 @@ def plot_diagnosis(summaries: dict[str, Diagnosis], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 1.2 * len(TOKEN_CLASSES) * max(len(summaries), 1)), 4))
+    summaries = {m: d for m, d in summaries.items() if d.steps} or summaries  # methods that drafted
+    fig, axes = plt.subplots(1, 2, figsize=(min(16.0, max(10.0, 0.5 * len(TOKEN_CLASSES) * len(summaries))), 4.5))
     width = 0.8 / max(len(summaries), 1)
     panels = ((axes[0], lambda d, k: d.acceptance.get(k, 0.0), "acceptance rate", "Drafts accepted, by token class"),
               (axes[1], lambda d, k: d.stopped_on[k], "share of drafting steps stopped here",
@@ -213,8 +214,9 @@ def plot_diagnosis(summaries: dict[str, Diagnosis], path) -> None:
         ax.set_xticks([c + 0.4 - width / 2 for c in range(len(TOKEN_CLASSES))], TOKEN_CLASSES, fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: method names are long
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 2), fontsize=7)
+    fig.tight_layout(rect=(0, 0.06 * ((len(labels) + 1) // 2), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
