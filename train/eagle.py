@@ -185,12 +185,13 @@ def chain_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
     """
     features = batch_features(target, batch, head.config.aux_layers)  # [B, T, D]
     tokens, feats, positions, counts = _inputs(batch, features)
+    # every batch returns `depth` steps, so sums add up; a batch narrower than that scores only the steps it fits
     depth, steps = steps, min(steps, tokens.shape[1])
     last = last_layer(features, head.config.hidden_size)  # [B, T, H]
     target_next = target.get_output_embeddings()(last[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
-    top1, topk_hits, totals = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    top1, topk_hits, totals = torch.zeros(depth), torch.zeros(depth), torch.zeros(depth)
     width = tokens.shape[1]
-    hits = torch.zeros(steps, *counts.shape, dtype=torch.bool)  # [steps, B, W] step k hit, by chain start
+    hits = torch.zeros(depth, *counts.shape, dtype=torch.bool)  # [depth, B, W] step k hit, by chain start
     scored = []
     for k, pred in enumerate(unroll(head, tokens, feats, positions, steps)):
         ranked = head.token_ids(head.draft_logits(pred).topk(topk, dim=-1).indices)  # [B, W, topk] token ids

@@ -76,6 +76,9 @@ def test_eval_counts_chains_from_the_target_choices(head_and_inputs):
     assert sums["positions"].tolist() == [22.0, 20.0, 18.0]  # 2 rows x (11 - k) chain starts
     assert (sums["correct_top1"] <= sums["correct_topk"]).all()
     assert 0 <= sums["accepted"].item() <= 3 * sums["starts"].item()
+    short = {k: v[:, :3] for k, v in batch.items()}  # 2 chain starts: fewer than the steps evaluated
+    narrow = chain_eval(head, target, short, steps=3)
+    assert narrow["positions"].tolist() == [4.0, 2.0, 0.0]  # the same shape as every other batch's, so sums add up
 
 
 def test_eagle3_loss_is_the_decayed_ce_of_every_step_and_trains_the_own_lm_head():
