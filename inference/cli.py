@@ -57,7 +57,9 @@ def _add_method_options(p: argparse.ArgumentParser) -> None:
 def _add_weight_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-layout", default="auto", choices=LAYOUTS,
                    help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such as "
-                        "a tree verify run 2-5x faster that way; row-major elsewhere), row, column. Only GEMM rounding changes")
+                        "a tree verify run 2-5x faster that way; packed for bf16 on a CPU with native bf16, where each "
+                        "weight is packed once for oneDNN instead of at every product; row-major elsewhere), row, column, "
+                        "packed. Only GEMM rounding changes")
 
 
 def _add_fp32_head(p: argparse.ArgumentParser) -> None:

@@ -8,45 +8,141 @@ for one row (measured with `scripts/bench_forward.py`). Values, shapes, paramete
 ties are unchanged; only strides differ, so checkpoints are unaffected and products differ only in
 GEMM rounding (~1e-5 relative). Speculative greedy output still equals `ar`'s in the same layout.
 
-Layouts: "row" (as loaded), "column", or "auto": column for fp32 on CPU, row elsewhere (cuBLAS and
-the oneDNN bf16 paths are fastest with the row-major weights they were tuned for).
+In bf16 on a CPU with native bf16 (AMX or AVX512-BF16), oneDNN's GEMM likewise reorders a row-major W
+into its blocked layout on every call, which costs more than the product itself for a few rows. The
+"packed" layout reorders each bf16 weight once, at load, and runs the layer's products on that copy
+(`PackedLinear`): a 16-node verify of the default target then costs 1.1-1.2x a one-token step
+instead of 2x in fp32 (docs/results.md). The products are oneDNN's own bf16 kernels, as in the row
+layout; the parameters stay as they were (names, values, ties, checkpoints), and the packed copies
+are one more copy of the linear weights in memory.
+
+Layouts: "row" (as loaded), "column", "packed", or "auto": column for fp32 on CPU, packed for bf16 on
+a CPU with native bf16, row elsewhere (cuBLAS is fastest with the row-major weights it was tuned for).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-LAYOUTS = ("auto", "row", "column")
+LAYOUTS = ("auto", "row", "column", "packed")
+PACK_ROWS = 16  # the row count oneDNN's packing is tuned for: a tree verify's; 1 to 64 rows run alike on it
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slower
+    than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+@functools.cache
+def packing_available() -> bool:
+    """Whether oneDNN packs and multiplies bf16 linear weights here (a CPU build with mkldnn, on a CPU it supports)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(16, 16, dtype=torch.bfloat16)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=torch.bfloat16),
+                                               torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return bool((y == 16).all())
 
 
 def resolve_layout(layout: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """"row" or "column" for a model on `device` in `dtype`; a bad name lists the known ones."""
+    """"row", "column" or "packed" for a model on `device` in `dtype`; a bad name lists the known ones."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; use one of: {', '.join(LAYOUTS)}")
+    on_cpu = torch.device(device).type == "cpu"
+    if layout == "packed" and not (on_cpu and dtype == torch.bfloat16 and packing_available()):
+        raise ValueError(f"--weight-layout packed is for bf16 on CPU (oneDNN); this model is {dtype} on "
+                         f"{torch.device(device).type}{'' if packing_available() else ' without oneDNN'}: use "
+                         f"--dtype bfloat16 on CPU, or --weight-layout auto")
     if layout != "auto":
         return layout
-    return "column" if torch.device(device).type == "cpu" and dtype == torch.float32 else "row"
+    if on_cpu and dtype == torch.float32:
+        return "column"
+    if on_cpu and dtype == torch.bfloat16 and cpu_has_native_bf16() and packing_available():
+        return "packed"
+    return "row"
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear whose bf16 products run on a oneDNN-packed copy of its weight (`packed_weight`, made once).
+
+    Set by `set_linear_layout(module, "packed")` on existing layers (their class is switched in place, so
+    parameters, names and ties stay). Anything else than a bf16 CPU input without gradients (fp32 after
+    `.float()`, another device, training) takes plain `F.linear` on `weight`.
+    """
+
+    packed_weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = getattr(self, "packed_weight", None)
+        if (packed is None or x.dtype != torch.bfloat16 or self.weight.dtype != torch.bfloat16
+                or x.device.type != "cpu" or x.numel() == 0 or (torch.is_grad_enabled() and x.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def __deepcopy__(self, memo: dict) -> nn.Linear:
+        # oneDNN's packed tensor has no storage to copy: copy the plain layer and pack the copy's own weight
+        packed = self.__dict__.pop("packed_weight", None)
+        self.__class__ = nn.Linear
+        try:
+            clone = copy.deepcopy(self, memo)
+        finally:
+            self.__class__ = PackedLinear
+            if packed is not None:
+                self.packed_weight = packed
+        return _pack(clone, {})
+
+
+def _pack(layer: nn.Linear, packed: dict[int, torch.Tensor]) -> nn.Linear:
+    """`layer` as a PackedLinear when its weight is bf16 on CPU (`packed`: copies already made, by weight id)."""
+    if layer.weight.dtype != torch.bfloat16 or layer.weight.device.type != "cpu":
+        return layer
+    key = id(layer.weight)
+    if key not in packed:
+        packed[key] = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACK_ROWS)
+    layer.__class__ = PackedLinear
+    layer.packed_weight = packed[key]
+    return layer
 
 
 def set_linear_layout(module: nn.Module, layout: str) -> nn.Module:
-    """Store every nn.Linear weight in `module` row- or column-major, in place (tied weights stay tied)."""
-    if layout not in ("row", "column"):
-        raise ValueError(f"layout must be 'row' or 'column', got {layout!r}")
-    seen: set[int] = set()
+    """Store every nn.Linear weight in `module` row- or column-major, or pack its bf16 weights ("packed": other
+    dtypes stay row-major), in place; tied weights stay tied."""
+    if layout not in ("row", "column", "packed"):
+        raise ValueError(f"layout must be 'row', 'column' or 'packed', got {layout!r}")
+    packed: dict[int, torch.Tensor] = {}  # id(weight) -> its packed copy, shared by layers that share it
     for sub in module.modules():
-        if not isinstance(sub, nn.Linear) or id(sub.weight) in seen:
+        if not isinstance(sub, nn.Linear):
             continue
-        seen.add(id(sub.weight))
+        if isinstance(sub, PackedLinear):  # back to a plain layer first
+            sub.__class__ = nn.Linear
+            sub.__dict__.pop("packed_weight", None)
         with torch.no_grad():
             w = sub.weight.data
-            sub.weight.data = w.contiguous() if layout == "row" else w.t().contiguous().t()
+            sub.weight.data = w.t().contiguous().t() if layout == "column" else w.contiguous()
+        if layout == "packed":
+            _pack(sub, packed)
     return module
 
 
 def linear_layout(module: nn.Module) -> str:
     """The layout of `module`'s first nn.Linear weight ("row" when it has none)."""
     for sub in module.modules():
+        if isinstance(sub, PackedLinear):
+            return "packed"
         if isinstance(sub, nn.Linear):
             w = sub.weight
             return "column" if not w.is_contiguous() and w.t().is_contiguous() else "row"

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from specheads.gemm_layout import cpu_has_native_bf16
 from specheads.heads.checkpoint import read_checkpoint
 from specheads.inference.bench import measure
 from specheads.inference.methods import METHODS
@@ -47,16 +48,6 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # the run's draft vocabulary, written at its start
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); there bf16 autocast runs
-    GEMMs several times faster than fp32, elsewhere it is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def _mixed_precision(cfg: TrainConfig) -> str:

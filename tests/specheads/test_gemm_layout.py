@@ -1,19 +1,36 @@
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specheads.gemm_layout import linear_layout, resolve_layout, set_linear_layout
+from specheads import gemm_layout
+from specheads.gemm_layout import (
+    PackedLinear,
+    linear_layout,
+    packing_available,
+    resolve_layout,
+    set_linear_layout,
+)
 from specheads.target import load_target
 from tests.conftest import tiny_config
 
 
-def test_auto_is_column_major_for_fp32_on_cpu_only():
+def test_auto_is_column_major_for_fp32_on_cpu_and_packed_for_native_bf16(monkeypatch):
     assert resolve_layout("auto", "cpu", torch.float32) == "column"
-    assert resolve_layout("auto", "cpu", torch.bfloat16) == "row"
     assert resolve_layout("auto", "cuda", torch.float32) == "row"
+    assert resolve_layout("auto", "cuda", torch.bfloat16) == "row"
     assert resolve_layout("row", "cpu", torch.float32) == "row"
-    with pytest.raises(ValueError, match="unknown weight layout 'cols'; use one of: auto, row, column"):
+    monkeypatch.setattr(gemm_layout, "cpu_has_native_bf16", lambda: False)  # bf16 emulated: oneDNN's path is no gain
+    assert resolve_layout("auto", "cpu", torch.bfloat16) == "row"
+    monkeypatch.setattr(gemm_layout, "cpu_has_native_bf16", lambda: True)
+    assert resolve_layout("auto", "cpu", torch.bfloat16) == ("packed" if packing_available() else "row")
+    with pytest.raises(ValueError, match="unknown weight layout 'cols'; use one of: auto, row, column, packed"):
         resolve_layout("cols", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="packed is for bf16 on CPU .*float32 on cpu.*--dtype bfloat16"):
+        resolve_layout("packed", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 on cuda"):
+        resolve_layout("packed", "cuda", torch.bfloat16)
 
 
 def test_column_major_keeps_values_names_and_ties():
@@ -34,11 +51,60 @@ def test_column_major_keeps_values_names_and_ties():
     torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
     set_linear_layout(model, "row")
     assert linear_layout(model) == "row" and model.model.layers[0].mlp.up_proj.weight.is_contiguous()
-    with pytest.raises(ValueError, match="'row' or 'column'"):
+    with pytest.raises(ValueError, match="'row', 'column' or 'packed'"):
         set_linear_layout(model, "auto")
 
 
 def test_load_target_applies_the_layout(tiny_model_dir):
     assert linear_layout(load_target(str(tiny_model_dir))[0]) == "row"  # training's default: as loaded
     assert linear_layout(load_target(str(tiny_model_dir), weight_layout="auto")[0]) == "column"
-    assert linear_layout(load_target(str(tiny_model_dir), dtype="bf16", weight_layout="auto")[0]) == "row"
+    bf16_auto = linear_layout(load_target(str(tiny_model_dir), dtype="bf16", weight_layout="auto")[0])
+    assert bf16_auto == ("packed" if gemm_layout.cpu_has_native_bf16() and packing_available() else "row")
+
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="oneDNN packs no bf16 weights on this CPU")
+
+
+@needs_packing
+def test_packed_keeps_values_names_and_ties_and_computes_what_row_major_does():
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1]])
+    with torch.inference_mode():
+        want = [model(ids[:, :n]).logits for n in (1, 3, 8)]  # one row, a few, a tree's worth
+    set_linear_layout(model, "packed")
+    assert linear_layout(model) == "packed" and isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tied parameter
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with torch.inference_mode():
+        for n, logits in zip((1, 3, 8), want):
+            torch.testing.assert_close(model(ids[:, :n]).logits, logits)  # bf16's own tolerance
+    clone = copy.deepcopy(model)  # the packed copies have no storage: the clone packs its own
+    assert linear_layout(clone) == "packed" and clone.lm_head.packed_weight is not model.lm_head.packed_weight
+    with torch.inference_mode():
+        torch.testing.assert_close(clone(ids).logits, model(ids).logits, rtol=0, atol=0)
+    set_linear_layout(model, "row")
+    assert linear_layout(model) == "row" and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+@needs_packing
+def test_packed_layers_take_the_plain_product_for_anything_but_bf16_inference_on_cpu():
+    layer = set_linear_layout(torch.nn.Sequential(torch.nn.Linear(16, 8).to(torch.bfloat16)), "packed")[0]
+    x = torch.randn(3, 16)
+    assert isinstance(layer, PackedLinear)
+    fp32 = copy.deepcopy(layer).float()  # e.g. --fp32-head's copy of the LM head
+    torch.testing.assert_close(fp32(x), torch.nn.functional.linear(x, fp32.weight, fp32.bias), rtol=0, atol=0)
+    grad_x = x.to(torch.bfloat16).requires_grad_()
+    layer(grad_x).sum().backward()  # training takes F.linear, which has a backward
+    assert grad_x.grad is not None and grad_x.grad.shape == (3, 16)
+    assert layer(torch.zeros(0, 16, dtype=torch.bfloat16)).shape == (0, 8)
+    assert linear_layout(set_linear_layout(torch.nn.Linear(4, 4), "packed")) == "row"  # fp32 layers stay plain
+
+
+@needs_packing
+def test_load_target_packs_bf16_on_request(tiny_model_dir):
+    model = load_target(str(tiny_model_dir), dtype="bf16", weight_layout="packed")[0]
+    assert linear_layout(model) == "packed"
