@@ -101,6 +101,10 @@ def test_packed_layers_take_the_plain_product_for_anything_but_bf16_inference_on
     layer(grad_x).sum().backward()  # training takes F.linear, which has a backward
     assert grad_x.grad is not None and grad_x.grad.shape == (3, 16)
     assert layer(torch.zeros(0, 16, dtype=torch.bfloat16)).shape == (0, 8)
+    strided = torch.randn(2, 16, 3, dtype=torch.bfloat16).transpose(1, 2)  # [2, 3, 16], not contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(strided), layer(strided.contiguous()), rtol=0, atol=0)
+        torch.testing.assert_close(layer(strided), torch.nn.functional.linear(strided, layer.weight, layer.bias))
     assert linear_layout(set_linear_layout(torch.nn.Linear(4, 4), "packed")) == "row"  # fp32 layers stay plain
 
 
