@@ -74,8 +74,8 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.matrix = Int8Matrix(linear.weight, linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matrix(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # in the input's dtype, so a bf16 drafter stays bf16
+        return self.matrix(x).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

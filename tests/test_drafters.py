@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.gemm_layout import linear_layout, set_linear_layout
+from specheads.gemm_layout import linear_layout, resolve_layout, set_linear_layout
 from specheads.heads.checkpoint import load_drafter
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods import METHODS
@@ -54,6 +54,18 @@ def test_strict_loader_refuses_what_does_not_fit(kind, tmp_path):
 @pytest.mark.parametrize("kind", KIND_NAMES)
 def test_sampling_preserves_the_target_distribution(kind, tmp_path):
     check_sampling_preserves_the_target_distribution(kind, tmp_path)
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_a_bf16_target_on_cpu_decodes_with_every_option(kind, tmp_path):
+    # bf16 on CPU is opt-in and within a stated rule (not token for token), so this checks that every option set,
+    # int8 drafts of bf16 heads included, drafts and decodes in the layout `auto` picks (packed on native bf16)
+    target = set_linear_layout(tiny_model("llama").to(torch.bfloat16), resolve_layout("auto", "cpu", torch.bfloat16))
+    save_case(kind, target, tmp_path)
+    for values in DRAFTERS[kind].options:
+        res = Engine(target, proposer_for(kind, target, tmp_path, values)).generate(repetitive_prompt(),
+                                                                                     max_new_tokens=MAX_NEW)
+        assert res.stats.drafted > 0 and res.stats.new_tokens == MAX_NEW, (kind, values)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ def test_int8_linear_is_close_to_the_fp32_one():
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got - want).abs().max() < 0.05 * want.abs().max()  # 8-bit weights and activations
     assert not torch.equal(got, want)  # it really is quantised
+    assert Int8Linear(linear)(x.to(torch.bfloat16)).dtype == torch.bfloat16  # a bf16 drafter stays bf16
 
 
 def test_quantize_linears_replaces_every_linear_inside():
