@@ -11,7 +11,7 @@ GEMM rounding (~1e-5 relative). Speculative greedy output still equals `ar`'s in
 In bf16 on a CPU with native bf16 (AMX or AVX512-BF16), oneDNN's GEMM likewise reorders a row-major W
 into its blocked layout on every call, which costs more than the product itself for a few rows. The
 "packed" layout reorders each bf16 weight once, at load, and runs the layer's products on that copy
-(`PackedLinear`): a 16-node verify of the default target then costs 1.1-1.2x a one-token step
+(`PackedLinear`): a 16-node verify of the default target then costs about 1.3x a one-token step
 instead of 2x in fp32 (docs/results.md). The products are oneDNN's own bf16 kernels, as in the row
 layout; the parameters stay as they were (names, values, ties, checkpoints), and the packed copies
 are one more copy of the linear weights in memory.
