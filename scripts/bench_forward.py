@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_forward.py [--target default] [--device cpu] [--dtype float32]
         [--layouts row,column] [--nodes 1,2,4,8,16,32,64] [--reps 7]
+    (bf16 on a CPU with native bf16: --dtype bfloat16 --layouts row,packed)
 
 Prints the median time per forward of a star-shaped tree (a root and N-1 children; the cost depends on
 the node count, not the shape) and its ratio to a one-token step: what a proposer must win back per
