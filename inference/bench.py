@@ -276,8 +276,7 @@ def run_bench(
     for runner in runners.values():  # the warm-up is not diagnosed either
         log = getattr(runner, "log", None)
         if log is not None:
-            log.steps.clear()
-            log.accepted.clear()
+            log.clear()
     for q in questions:
         for name, runner in runners.items():
             history: list[str] = []

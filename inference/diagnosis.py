@@ -42,6 +42,11 @@ class RejectionLog:
     steps: list[Rejection] = field(default_factory=list)
     accepted: Counter = field(default_factory=Counter)  # (category, token) -> accepted draft tokens
 
+    def clear(self) -> None:
+        """Forget what was recorded (e.g. a warm-up's steps)."""
+        self.steps.clear()
+        self.accepted.clear()
+
     def enabled(self, batch: int) -> bool:
         return self.inner.enabled(batch)
 

@@ -93,6 +93,12 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
+    def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the packed copy goes where the weight leaves bf16 CPU
+        module = super()._apply(fn, recurse)
+        if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
+            self.__dict__.pop("packed_weight", None)
+        return module
+
     def __deepcopy__(self, memo: dict) -> nn.Linear:
         # oneDNN's packed tensor has no storage to copy: copy the plain layer and pack the copy's own weight
         packed = self.__dict__.pop("packed_weight", None)
@@ -125,8 +131,8 @@ def set_linear_layout(module: nn.Module, layout: str) -> nn.Module:
         raise ValueError(f"layout must be 'row', 'column' or 'packed', got {layout!r}")
     packed: dict[int, torch.Tensor] = {}  # id(weight) -> its packed copy, shared by layers that share it
     for sub in module.modules():
-        if not isinstance(sub, nn.Linear):
-            continue
+        if not isinstance(sub, nn.Linear) or (layout == "packed" and "packed_weight" in sub.__dict__):
+            continue  # already packed, e.g. a target's LM head that heads share
         if isinstance(sub, PackedLinear):  # back to a plain layer first
             sub.__class__ = nn.Linear
             sub.__dict__.pop("packed_weight", None)

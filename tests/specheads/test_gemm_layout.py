@@ -96,6 +96,7 @@ def test_packed_layers_take_the_plain_product_for_anything_but_bf16_inference_on
     x = torch.randn(3, 16)
     assert isinstance(layer, PackedLinear)
     fp32 = copy.deepcopy(layer).float()  # e.g. --fp32-head's copy of the LM head
+    assert "packed_weight" not in fp32.__dict__  # no stale bf16 copy kept beside fp32 weights
     torch.testing.assert_close(fp32(x), torch.nn.functional.linear(x, fp32.weight, fp32.bias), rtol=0, atol=0)
     grad_x = x.to(torch.bfloat16).requires_grad_()
     layer(grad_x).sum().backward()  # training takes F.linear, which has a backward
