@@ -1,0 +1,49 @@
+"""docs/cli.md and docs/recipes.md are what scripts/reference_docs.py generates from the code now."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("reference_docs", ROOT / "scripts" / "reference_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_references_are_current():
+    stale = _generator().stale()
+    assert not stale, f"{[str(p.relative_to(ROOT)) for p in stale]} are stale: run scripts/reference_docs.py"
+
+
+def test_the_references_name_every_command_and_recipe_key():
+    from specheads.train.objective import OBJECTIVES
+
+    gen = _generator()
+    cli, recipes = gen.cli_markdown(), gen.recipes_markdown()
+    for command in ("generate", "bench", "serve", "calibrate", "loadtest", "export"):
+        assert f"## specheads {command}" in cli
+    assert "`--max-new-tokens`" in cli and "`--method`" in cli
+    for name in OBJECTIVES.names():
+        assert f"## recipe: {name}" in recipes
+    assert "`optim.lr`" in recipes and "`data.max_length`" in recipes
+
+
+def test_field_comments_are_read_from_the_source():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Base:
+        a: int = 1  # from the base
+        b: int = 2  # replaced below
+
+    @dataclass(frozen=True)
+    class Child(Base):
+        b: int = 3  # the child's own
+        c: str = "x"
+
+    assert _generator().field_comments(Child) == {"a": "from the base", "b": "the child's own"}
