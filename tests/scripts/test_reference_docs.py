@@ -47,3 +47,15 @@ def test_field_comments_are_read_from_the_source():
         c: str = "x"
 
     assert _generator().field_comments(Child) == {"a": "from the base", "b": "the child's own"}
+
+
+def test_the_readme_is_a_short_guide_whose_links_resolve():
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200, "the README is a guide: move reference material into docs/"
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert links, "the check sees the README's links"
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8")):
+            assert (doc.parent / link).exists(), f"{doc.relative_to(ROOT)} links to missing {link}"
