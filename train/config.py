@@ -13,11 +13,11 @@ from specheads.train.objective import OBJECTIVES
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "sharegpt"  # "sharegpt" (the PyPI package) or a local .json/.jsonl/.parquet file
-    max_conversations: int | None = 2000
+    max_conversations: int | None = 2000  # usable conversations read (train + eval); None: all
     skip_conversations: int = 0  # pass over the first N usable conversations (e.g. those an earlier run trained on)
     max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted)
-    eval_fraction: float = 0.02
-    max_eval_conversations: int = 32
+    eval_fraction: float = 0.02  # share of the conversations held out for evaluation
+    max_eval_conversations: int = 32  # at most this many held-out conversations
 
     def __post_init__(self) -> None:
         if self.max_conversations is not None and self.max_conversations < 2:
@@ -32,12 +32,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
+    lr: float = 1e-3  # peak learning rate (linear warmup, then cosine decay)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 20  # steps of linear warmup to the peak rate
     batch_size: int = 4  # conversations per step and process
-    grad_accum: int = 1
-    max_grad_norm: float = 0.5
+    grad_accum: int = 1  # steps whose gradients are summed before an optimizer step
+    max_grad_norm: float = 0.5  # gradient clipping (global L2 norm)
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.grad_accum < 1:
@@ -47,23 +47,23 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     recipe: str | None = None  # the objective to train (a name in OBJECTIVES); every config names one
-    target: str = "default"
+    target: str = "default"  # "default" (SmolLM2-135M-Instruct), an HF model id or a local folder
     output_dir: str | None = None  # default: runs/<recipe>
-    max_steps: int = 300
-    seed: int = 0
+    max_steps: int = 300  # optimizer steps
+    seed: int = 0  # data order, initialisation and noise
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
     init_heads: str | None = None  # start from these saved heads (a run's final/): more steps, or new data, on a fresh schedule
     report_to: str = "none"  # "none" or "wandb" (works with WANDB_MODE=offline)
     mixed_precision: str = "auto"  # "auto" (bf16 on CUDA and on CPUs with native bf16, else none), "no", "bf16", "fp16"
-    log_every: int = 10
-    eval_every: int = 100
-    save_every: int = 100
+    log_every: int = 10  # steps between training-metric rows in metrics.jsonl
+    eval_every: int = 100  # steps between evaluations on the held-out conversations
+    save_every: int = 100  # steps between checkpoints (output_dir/checkpoints/step_N)
     features: str = "online"  # "online": the target runs inside each step; "offline": cached once to disk, reused
     feature_dtype: str = "bfloat16"  # storage dtype of the offline cache
     feature_cache_dir: str | None = None  # default: OUTPUT_DIR/features
     draft_vocab_size: int | None = 8192  # most frequent training tokens the draft LM head scores (None: all)
     measure_prompts: int = 4  # held-out prompts the final heads decode greedily for the measured τ (0: skip)
-    measure_max_new_tokens: int = 64
+    measure_max_new_tokens: int = 64  # new tokens per measured prompt
     data: DataConfig = field(default_factory=DataConfig)
     heads: Any = None  # the recipe's own settings class (Objective.settings); None: its defaults
     optim: OptimConfig = field(default_factory=OptimConfig)
