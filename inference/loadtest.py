@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -165,3 +166,11 @@ def mismatches(results: Sequence[LevelResult]) -> list[str]:
             if a.text != first[1]:
                 found.append(f"prompt {a.prompt}: {where} answered differently from {first[0]}")
     return found
+
+
+def save_results(path: Path, servers: Sequence[tuple[str, str]], results: Sequence[LevelResult], *,
+                 max_tokens: int) -> None:
+    """Every level's figures and answers as one JSON file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"servers": dict(servers), "max_tokens": max_tokens,
+                                "levels": [asdict(r) for r in results]}, indent=1), encoding="utf-8")

@@ -180,3 +180,81 @@ def test_specheads_train_forwards_to_the_recipe():
     proc = subprocess.run([sys.executable, "-m", "specheads.inference.cli", "train", "max_step=3"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "did you mean 'max_steps'" in proc.stderr
+
+
+CLI_DIR = Path(__file__).resolve().parents[2] / "inference" / "cli"
+NO_TORCH = """
+import contextlib, io, json, sys
+from specheads.inference.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        main({argv!r})
+    except SystemExit as stop:
+        code = stop.code
+print(json.dumps({{"code": code, "help": out.getvalue(), "torch": "torch" in sys.modules,
+                  "transformers": "transformers" in sys.modules}}))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["loadtest", "--help"]])
+def test_help_lists_every_subcommand_without_importing_torch(argv):
+    from specheads.inference.cli import COMMANDS
+
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH.format(argv=argv)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert done["code"] == 0 and not done["torch"] and not done["transformers"], done
+    if argv == ["--help"]:
+        for name, command in COMMANDS.items():
+            assert name in done["help"] and command.HELP[:40] in " ".join(done["help"].split())
+    else:
+        assert done["help"].startswith("usage: specheads loadtest") and "--per-category" in done["help"]
+
+
+def _flags_declared(path: Path) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            found += [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")]
+    return found
+
+
+def test_every_flag_is_declared_in_one_place():
+    from collections import Counter
+
+    files = sorted(CLI_DIR.glob("*.py"))
+    assert {f.stem for f in files} >= {"__init__", "args", "generate", "bench", "serve", "calibrate", "loadtest",
+                                       "export", "train"}
+    sites = Counter(flag for f in files for flag in _flags_declared(f))
+    assert {"--device", "--temperature", "--questions", "--per-category", "--target", "--output"} <= set(sites)
+    assert [flag for flag, n in sites.items() if n > 1] == []
+
+
+def test_main_builds_the_same_arguments_as_the_full_parser():
+    import argparse
+
+    from specheads.inference.cli import COMMANDS, _parser, build_parser
+
+    def subcommands(parser):
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return sub.choices
+
+    full = subcommands(build_parser())
+    assert list(full) == list(COMMANDS)
+    for name in COMMANDS:
+        lazy = subcommands(_parser([name]))
+        assert [(a.option_strings, a.dest, a.default, a.help) for a in lazy[name]._actions] == \
+            [(a.option_strings, a.dest, a.default, a.help) for a in full[name]._actions], name
+        others = [n for n in COMMANDS if n != name and n != "train"]
+        assert all(len(lazy[n]._actions) == 1 for n in others)  # --help only: not built
+    assert {"--device", "--dtype", "--weight-layout", "--fp32-head", "--adapter", "--temperature", "--seed"} <= \
+        {s for a in full["bench"]._actions for s in a.option_strings}
+
+
+def test_train_after_another_argument_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["-v", "train"])
+    assert stop.value.code == 2 and "put train first" in capsys.readouterr().err

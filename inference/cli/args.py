@@ -1,0 +1,133 @@
+"""Arguments several subcommands share, each flag declared here once (help wording a parameter where commands
+differ), and the glue from parsed arguments to a loaded target and proposer.
+
+Nothing here imports torch at import time: `specheads --help` builds no subcommand's arguments, and a subcommand
+that lists no methods or formats (loadtest) builds its own without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+TARGET_HELP = "'default' (SmolLM2-135M-Instruct), an HF model id or a local folder"
+QUESTIONS_HELP = "Spec-Bench/MT-bench JSONL (question_id, category, turns)"
+
+
+def int_list(text: str) -> list[int]:
+    """`--batch-sizes 1,2,4`: comma-separated integers >= 1."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_target(p: argparse.ArgumentParser, *, default: str | None = "default", help: str = TARGET_HELP) -> None:
+    p.add_argument("--target", default=default, help=help)
+
+
+def add_model_settings(p: argparse.ArgumentParser) -> None:
+    """How the target loads: device, dtype, weight layout, an fp32 head and a LoRA adapter."""
+    # Imports torch: only once a command that loads a model is built.
+    from specheads.gemm_layout import LAYOUTS
+
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--weight-layout", default="auto", choices=LAYOUTS,
+                   help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such as "
+                        "a tree verify run 2-5x faster that way; packed for bf16 on a CPU with native bf16, where each "
+                        "weight is packed once for oneDNN instead of at every product; row-major elsewhere), row, column, "
+                        "packed. Only GEMM rounding changes")
+    p.add_argument("--fp32-head", action="store_true",
+                   help="with --dtype bfloat16/float16: compute the target's final norm and LM head in fp32, so logits "
+                        "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per position)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="verify against the target with this LoRA adapter merged in (a medusa2 run's final/adapter): "
+                        "greedy output then equals plain greedy decoding of the adapted target, not the original one")
+
+
+def add_sampling(p: argparse.ArgumentParser, *, temperature_help: str = "0 = greedy (default)",
+                 seed_help: str | None = None) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, help=seed_help)
+
+
+def add_questions(p: argparse.ArgumentParser, *, per_category_help: str, help: str = QUESTIONS_HELP,
+                  group: argparse._MutuallyExclusiveGroup | None = None, limit_help: str | None = None,
+                  per_category_default: int | None = None) -> None:
+    """`--questions` (required unless it is one choice of `group`), `--limit` where `limit_help` is given, and
+    `--per-category`."""
+    (p if group is None else group).add_argument("--questions", type=Path, required=group is None, help=help)
+    if limit_help is not None:
+        p.add_argument("--limit", type=int, help=limit_help)
+    p.add_argument("--per-category", type=int, metavar="N", default=per_category_default, help=per_category_help)
+
+
+def add_max_new_tokens(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, required=True)
+
+
+def add_max_tokens(p: argparse.ArgumentParser, *, default: int, help: str) -> None:
+    p.add_argument("--max-tokens", type=int, default=default, help=help)
+
+
+def add_api_key(p: argparse.ArgumentParser, *, help: str) -> None:
+    p.add_argument("--api-key", help=help)
+
+
+def add_output(p: argparse.ArgumentParser, *, help: str, required: bool = False, type: type | None = Path) -> None:
+    p.add_argument("--output", type=type, required=required, help=help)
+
+
+def add_method(p: argparse.ArgumentParser, *, help: str | None = None, default: str | None = "ar") -> None:
+    """`--method` (required when `default` is None; `help` None lists every method) and every method's options."""
+    from specheads.inference.methods import METHODS, flag, option_flags
+
+    if help is None:
+        help = "; ".join(f"{name}: {m.summary}" for name, m in METHODS.items()) + " (default ar)"
+    p.add_argument("--method", default=default, required=default is None, help=help)
+    methods = p.add_argument_group("method options", "each applies to the methods named in its help; giving one "
+                                                     "that the chosen --method does not take is an error")
+    for opt in option_flags():
+        methods.add_argument(flag(opt.name), dest=opt.name, type=opt.type, help=opt.help)
+
+
+def method_options(args: argparse.Namespace):
+    """`--method`'s options from the flags (checked: a flag the method does not take is refused)."""
+    from specheads.inference.methods import METHODS, option_flags
+
+    return METHODS.get(args.method).make_options({opt.name: getattr(args, opt.name) for opt in option_flags()})
+
+
+def load_model(args: argparse.Namespace):
+    """The target and tokenizer the model-setting flags name."""
+    from specheads.target import load_target
+
+    return load_target(args.target, device=args.device, dtype=args.dtype, weight_layout=args.weight_layout,
+                       fp32_head=args.fp32_head, adapter=args.adapter)
+
+
+def draft_loader(model, tokenizer, args: argparse.Namespace):
+    """Loads a draft model (`draft:PATH`, `hf-assisted:PATH`) beside the target, refusing another vocabulary."""
+    from specheads.inference.proposers.draft_model import check_same_vocabulary
+    from specheads.target import load_target
+
+    def load_draft(name: str):
+        draft, draft_tok = load_target(name, device=args.device, dtype=model.dtype, weight_layout=args.weight_layout)
+        check_same_vocabulary(model, tokenizer, draft, draft_tok)
+        return draft
+
+    return load_draft
+
+
+def make_method(args: argparse.Namespace, options, model, tokenizer):
+    """The proposer `--method` and `options` name, and its label (`method_label`)."""
+    from specheads.inference.methods import make_proposer, method_label
+
+    return make_proposer(args.method, model, options, draft_loader(model, tokenizer, args)), \
+        method_label(args.method, options)

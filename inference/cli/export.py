@@ -1,0 +1,52 @@
+"""`specheads export`: trained heads in another engine's format (`specheads.formats.export`), optionally pushed."""
+
+from __future__ import annotations
+
+import argparse
+
+from specheads.inference.cli import args as shared
+
+NAME = "export"
+HELP = "write trained heads in a format vLLM, SGLang or the Hub reads"
+DESCRIPTION = ("Write a training run's heads (or a heads folder) in another engine's format into a new folder, "
+               "checked against what that engine's loader reads; optionally push it to the Hugging Face Hub.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specheads.formats import export_formats
+    from specheads.formats.export import HF_FORMAT
+
+    p.add_argument("source", metavar="RUN_OR_HEADS_DIR", help="a training run's output_dir or a heads folder")
+    p.add_argument("--to", dest="fmt", required=True, choices=[HF_FORMAT, *export_formats()],
+                   help=f"{HF_FORMAT}: our format and a model card; " + "; ".join(_format_help()))
+    shared.add_output(p, required=True, type=None, help="a new (or empty) folder for the export")
+    shared.add_target(p, default=None, help="the target whose config the draft layers take (default: the one the "
+                                            "heads were trained for)")
+    p.add_argument("--verifier", help="the target's name written for the serving engine (default: the trained-for "
+                                      "target; the default target's Hub id)")
+    p.add_argument("--speculative-tokens", type=int, default=3, help="draft depth recorded where a format keeps one")
+    p.add_argument("--push-to-hub", metavar="ORG/NAME", help="also publish the export as this Hub model repo")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+
+
+def _format_help() -> list[str]:
+    from specheads.formats import EXPORTERS
+
+    by_format: dict[str, list[str]] = {}
+    for _, e in EXPORTERS.items():
+        by_format.setdefault(e.format, []).append(f"{e.kind} heads for {e.loader}")
+    return [f"{fmt}: {', '.join(what)}" for fmt, what in by_format.items()]
+
+
+def run(args: argparse.Namespace) -> None:
+    from specheads.formats.export import export
+    from specheads.hub import push_folder
+
+    if args.private and not args.push_to_hub:
+        raise ValueError("--private applies to --push-to-hub ORG/NAME only")
+    done = export(args.source, args.fmt, args.output, target=args.target, verifier=args.verifier,
+                  speculative_tokens=args.speculative_tokens)
+    print(f"wrote {args.fmt} export to {done.folder}: {', '.join(done.files)} (verifier {done.verifier})")
+    if args.push_to_hub:
+        url = push_folder(done.folder, args.push_to_hub, private=args.private)
+        print(f"pushed to {args.push_to_hub}: {url}")
