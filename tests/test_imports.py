@@ -72,3 +72,65 @@ def test_the_kind_name_check_sees_literals():
     from specheads.kinds import KINDS
 
     assert {name for _, name, _ in kind_literals(own_files=True)} == set(KINDS.names())
+
+
+# The packages holding a file per drafter kind (`<kind>.py`), by the module names they are imported as.
+KIND_PACKAGES = {"specheads.heads": "specheads/heads", "specheads.formats": "specheads/formats",
+                 "specheads.train": "train", "specheads.inference.proposers": "inference/proposers"}
+
+
+def sibling_kind_imports(path: Path, source: str | None = None) -> list[tuple[str, str]]:
+    """(file, module) for every import in `path` (a kind's file, or `source` as if it were) of another kind's file,
+    in any of the kind packages: `from specheads.train.eagle import x`, `import specheads.heads.eagle3`,
+    `from specheads.inference.proposers import eagle`. A kind's file may import its own kind's files elsewhere."""
+    from specheads.kinds import KINDS
+
+    kinds, own = set(KINDS.names()), path.stem
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for module in modules:
+            package, _, name = module.rpartition(".")
+            if package in KIND_PACKAGES and name in kinds and name != own:
+                found.append((str(path.relative_to(ROOT)), module))
+    return found
+
+
+def kind_files() -> list[Path]:
+    from specheads.kinds import KINDS
+
+    return [ROOT / folder / f"{name}.py" for folder in KIND_PACKAGES.values() for name in KINDS.names()
+            if (ROOT / folder / f"{name}.py").is_file()]
+
+
+def test_no_kind_file_imports_another_kinds_file():
+    """What several kinds share lives in named shared modules (fused_tree, block_tree, chain_loss, fused_chain,
+    speculators, ...); a kind's file imports those, never a sibling kind's file."""
+    bad = [hit for path in kind_files() for hit in sibling_kind_imports(path)]
+    assert not bad, bad
+
+
+def test_the_sibling_import_check_sees_imports():
+    # Guard against a vacuous pass: the detector flags constructed bad imports of each form, passes a kind's own
+    # files in other packages, and the kind files it reads do import shared modules.
+    peagle = ROOT / "inference" / "proposers" / "peagle.py"
+    assert sibling_kind_imports(peagle, "from specheads.inference.proposers.eagle import EagleProposer\n")
+    assert sibling_kind_imports(peagle, "import specheads.train.dflash\n")
+    assert sibling_kind_imports(peagle, "from specheads.heads import eagle3\n")
+    assert not sibling_kind_imports(peagle, "from specheads.heads.peagle import KIND_NAME\n")
+    assert not sibling_kind_imports(peagle, "from specheads.inference.proposers.fused_tree import catch_up\n")
+    files = kind_files()
+    assert len(files) >= 15, files  # every kind has files in several packages
+    shared = ("specheads.inference.proposers.fused_tree", "specheads.inference.proposers.block_tree",
+              "specheads.train.chain_loss", "specheads.heads.fused_chain", "specheads.formats.speculators")
+    imported = {m for path in files for _, m in imported_modules_of(path)}
+    assert set(shared) <= imported, set(shared) - imported
+
+
+def imported_modules_of(path: Path) -> set[tuple[str, str]]:
+    return {(f, m) for f, m in imported_modules(path.parent) if f == str(path.relative_to(ROOT))}

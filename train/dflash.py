@@ -16,30 +16,28 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import extract_model_from_parallel
 
-from specheads.heads.dflash import KIND_NAME, DFlashConfig, DFlashHead
+from specheads.heads.dflash import KIND_NAME, DFlashBlock, DFlashConfig, DFlashHead
+from specheads.heads.fused_head import declared_by
+from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, target_draft_weight
 from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
-from specheads.train.eagle import EVAL_TOPK, chain_eval_row, target_draft_weight
-from specheads.train.eagle3 import FusedHeadsConfig
 from specheads.train.features import batch_features, last_layer
+from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
-from specheads.train.peagle import default_mask_token
 
 _EVAL_CHUNK = 64  # anchors per evaluation forward: bounds the [Q, C + Q] attention scores
 
 
 @dataclass(frozen=True)
-class DFlashHeadsConfig(FusedHeadsConfig):
-    """The `heads:` section of a dflash recipe: the drafter's shape and the objective's settings."""
+class DFlashHeadsConfig(FusedHeadsConfig, DFlashBlock):
+    """The `heads:` section of a dflash recipe: the drafter's shape (its block `DFlashBlock`: block_size,
+    mask_token_id) and the objective's settings."""
 
-    block_size: int = 4  # block length B: the anchor and B-1 drafted positions
-    mask_token_id: int | None = None  # the masked positions' token; None: its own pad token, else its last id
     max_anchors: int = 64  # blocks trained per sequence and step
     position_decay: float = 4.0  # slot j's loss weight is exp(-(j-1) / position_decay)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.block_size < 2:
-            raise ValueError(f"heads.block_size must be >= 2 (the anchor and a drafted position), got {self.block_size}")
+        FusedHeadsConfig.__post_init__(self)
+        DFlashBlock.__post_init__(self)
         if self.max_anchors < 1:
             raise ValueError(f"heads.max_anchors must be >= 1, got {self.max_anchors}")
         if self.position_decay <= 0:
@@ -48,10 +46,8 @@ class DFlashHeadsConfig(FusedHeadsConfig):
 
 def build_dflash(settings: DFlashHeadsConfig, target: torch.nn.Module,
                  draft_vocab: list[int] | None = None) -> DFlashHead:
-    mask = default_mask_token(target) if settings.mask_token_id is None else settings.mask_token_id
-    config = DFlashConfig(**settings.head_fields(target, draft_vocab), block_size=settings.block_size,
-                          mask_token_id=mask)
-    return DFlashHead(config, target)
+    config = DFlashConfig(**settings.head_fields(target, draft_vocab), **declared_by(DFlashBlock, settings))
+    return DFlashHead(config, target)  # a mask token of None is chosen for the target here
 
 
 def answer_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:  # [B, T] bool: tokens whose prediction counts

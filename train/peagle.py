@@ -24,49 +24,38 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import extract_model_from_parallel
 
-from specheads.heads.peagle import KIND_NAME, PEagleConfig, PEagleHead
+from specheads.heads.fused_chain import ChainLayout
+from specheads.heads.fused_head import declared_by
+from specheads.heads.peagle import KIND_NAME, PEagleBlock, PEagleConfig, PEagleHead
+from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, chain_inputs, target_draft_weight
 from specheads.train.class_top1 import TOKEN_HITS, token_hits
-from specheads.train.eagle import EVAL_TOPK, _inputs, chain_eval_row, target_draft_weight
-from specheads.train.eagle3 import FusedHeadsConfig
 from specheads.train.features import batch_features, last_layer
+from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
 
 
 @dataclass(frozen=True)
-class PEagleHeadsConfig(FusedHeadsConfig):
-    """The `heads:` section of a peagle recipe: the head's shape and the objective's settings."""
+class PEagleHeadsConfig(FusedHeadsConfig, ChainLayout, PEagleBlock):
+    """The `heads:` section of a peagle recipe: the head's shape (its layout flags `ChainLayout`, its block
+    `PEagleBlock`: num_depths, mask_token_id) and the objective's settings."""
 
-    norm_before_residual: bool = False  # see specheads.heads.eagle3
-    num_depths: int = 4  # tokens one forward drafts (K): the anchor's next token and K-1 masked positions
     down_sample_ratio: float = 0.7  # depth d trains on a share r^d of the anchors (conditional drop-token) ...
     down_sample_ratio_min: float = 0.2  # ... and never on fewer than this share
-    mask_token_id: int | None = None  # the masked positions' token; None: its own pad token, else its last id
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_depths < 1:
-            raise ValueError(f"heads.num_depths must be >= 1 (tokens drafted per forward), got {self.num_depths}")
+        FusedHeadsConfig.__post_init__(self)
+        ChainLayout.__post_init__(self)
+        PEagleBlock.__post_init__(self)
         if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:
             raise ValueError("heads.down_sample_ratio must be in (0, 1] and heads.down_sample_ratio_min in [0, 1], got "
                              f"{self.down_sample_ratio} and {self.down_sample_ratio_min}")
 
 
-def default_mask_token(target: torch.nn.Module) -> int:
-    """The target's pad token if it has one of its own (not also its end of turn), else its last id: a token the
-    text rarely holds, so a masked entry rarely looks like a real one."""
-    vocab = target.get_output_embeddings().weight.shape[0]
-    tcfg = target.config.get_text_config()
-    pad, eos = getattr(tcfg, "pad_token_id", None), getattr(tcfg, "eos_token_id", None)
-    eos = set(eos) if isinstance(eos, list) else {eos}
-    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab and pad not in eos else vocab - 1
-
-
 def build_peagle(settings: PEagleHeadsConfig, target: torch.nn.Module,
                  draft_vocab: list[int] | None = None) -> PEagleHead:
-    mask = default_mask_token(target) if settings.mask_token_id is None else settings.mask_token_id
-    config = PEagleConfig(**settings.head_fields(target, draft_vocab), num_depths=settings.num_depths,
-                          mask_token_id=mask, norm_before_residual=settings.norm_before_residual)
-    return PEagleHead(config, target)
+    config = PEagleConfig(**settings.head_fields(target, draft_vocab), **declared_by(ChainLayout, settings),
+                          **declared_by(PEagleBlock, settings))
+    return PEagleHead(config, target)  # a mask token of None is chosen for the target here
 
 
 def cod_anchors(width: int, num_depths: int, ratio: float, floor: float,
@@ -117,7 +106,7 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
                      settings: PEagleHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
     model = extract_model_from_parallel(head)  # DDP hides the head's own methods
     features = batch_features(target, batch, model.config.aux_layers)  # [B, T, D]
-    tokens, feats, _, counts = _inputs(batch, features)
+    tokens, feats, _, counts = chain_inputs(batch, features)
     last = last_layer(features, model.config.hidden_size)[:, 1:]  # [B, W, H]: F_{i+1}, what entry (a, d=i-a) predicts
     if settings.feature_noise > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * 2 * settings.feature_noise
@@ -150,7 +139,7 @@ def block_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
     draft (over its vocabulary) with the target's full-vocabulary argmax, and the chain acceptance length (leading
     depths right). The keys of `chain_eval`, so `chain_eval_row` reports them."""
     features = batch_features(target, batch, head.config.aux_layers)  # [B, T, D]
-    tokens, feats, _, counts = _inputs(batch, features)
+    tokens, feats, _, counts = chain_inputs(batch, features)
     width, steps = tokens.shape[1], head.config.num_depths
     last = last_layer(features, head.config.hidden_size)[:, 1:]  # [B, W, H]
     target_next = target.get_output_embeddings()(last).argmax(-1)  # [B, W]

@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                             "heads were trained for)")
     p.add_argument("--verifier", help="the target's name written for the serving engine (default: the trained-for "
                                       "target; the default target's Hub id)")
-    p.add_argument("--speculative-tokens", type=int, default=3, help="draft depth recorded where a format keeps one")
+    p.add_argument("--speculative-tokens", type=int, help="draft depth recorded where a format keeps one (default: "
+                   "3 for a chain drafter; a block drafter's own block, and at most that)")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", help="also publish the export as this Hub model repo")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 

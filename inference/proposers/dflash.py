@@ -4,7 +4,7 @@ Per sequence the proposer keeps every draft layer's context keys and values: one
 the last (the anchor, whose target hidden state the next verify computes). After each verify the accepted path's
 feature rows are projected into them (they are the positions right after the context, up to the new anchor).
 Each step drafts [anchor, mask, ...] in one forward over that context and builds the tree from the slots'
-distributions as `peagle` does (best-first over the block's top-k per position). Rows draft together: one
+distributions best-first (`block_tree`, as `peagle` does). Rows draft together: one
 forward for every row, each row attending over its own context.
 
 Drafts are deterministic top-k choices, so verification is exact for greedy and sampling alike.
@@ -22,9 +22,9 @@ from specheads.heads.dflash import KIND_NAME, KV, DFlashHead
 from specheads.inference.methods import Method, register_method
 from specheads.inference.node_budget import node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.eagle import EAGLE_TREES, EagleOptions, EagleTreeConfig, tree_config
+from specheads.inference.proposers.block_tree import block_tree
 from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.proposers.peagle import block_tree
+from specheads.inference.proposers.tree_options import TREES, TreeConfig, TreeOptions, tree_config
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears
@@ -33,7 +33,7 @@ from specheads.int8 import quantize_linears
 class DFlashProposer:
     needs_target_hidden = True
 
-    def __init__(self, head: DFlashHead, config: EagleTreeConfig) -> None:
+    def __init__(self, head: DFlashHead, config: TreeConfig) -> None:
         if config.depth > head.config.block_size - 1:
             raise ValueError(f"--depth {config.depth}: this dflash drafter fills blocks of {head.config.block_size} "
                              f"(the anchor and {head.config.block_size - 1} drafted tokens); use --depth "
@@ -126,7 +126,7 @@ def _draft_blocks(rows: list[DFlashProposer], ctxs: list[ProposalContext]) -> li
             for b, (p, c, d) in enumerate(zip(rows, ctxs, depths))]
 
 
-def _build(target, options: EagleOptions, load_draft) -> Proposer:
+def _build(target, options: TreeOptions, load_draft) -> Proposer:
     head = load_drafter(options.heads, target, kind=KIND_NAME)
     if options.draft_dtype == "int8":
         quantize_linears(head)
@@ -137,5 +137,5 @@ def _build(target, options: EagleOptions, load_draft) -> Proposer:
 register_method(Method(
     name=KIND_NAME, summary="a DFlash block drafter: one forward fills a block, expanded into a tree, prompt lookup "
                             "grafted on",
-    options=EagleOptions, build=_build, arg="heads", arg_hint="DIR", trees=EAGLE_TREES,
+    options=TreeOptions, build=_build, arg="heads", arg_hint="DIR", trees=TREES,
 ))

@@ -33,7 +33,9 @@ class ExportContext:
 
     target_config: Any  # the target's HF text config (a PretrainedConfig): sizes and architecture of the draft layers
     verifier: str  # the target's name for the serving engine: a Hub id or a path it can read
-    speculative_tokens: int = 3  # draft depth written where a format records one
+    # Draft depth written where a format records one; None: the format's own (a chain drafter's 3, a block
+    # drafter's block). A block drafter's format refuses more than its block (`speculators.block_speculative_tokens`).
+    speculative_tokens: int | None = None
     target_path: str | None = None  # the target's local folder, for formats that carry some of its weights
 
     def target_lm_head(self) -> torch.Tensor:  # [V, H]: the target's output embedding, read from its files

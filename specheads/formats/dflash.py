@@ -2,7 +2,8 @@
 (speculators/models/dflash/core.py, DFlashDraftModel.__init__, and model_definitions.py, Qwen3DFlashDecoderLayer);
 the export adds the vocabulary mappings, the target's token embedding (as the eagle3 export does) and the config:
 `block_size`, `aux_hidden_state_layer_ids`, `mask_token_id`, and `speculative_tokens` = block_size - 1 (the anchor
-is the bonus token, `sample_from_anchor: false`). SGLang has no DFlash loader."""
+is the bonus token, `sample_from_anchor: false`); an export asking for fewer (`--speculative-tokens`) records
+those, more is refused. SGLang has no DFlash loader."""
 
 from __future__ import annotations
 
@@ -27,14 +28,18 @@ from specheads.formats.base import (
     register_importer,
     write_folder,
 )
-from specheads.formats.eagle3 import SPECULATORS_VERSION, draft_vocabulary_from_state
+from specheads.formats.speculators import (
+    FOREIGN_ONLY,
+    SPECULATORS_VERSION,
+    block_speculative_tokens,
+    draft_vocabulary_from_state,
+    vocab_mappings,
+)
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.dflash import KIND_NAME, DFlashConfig
-from specheads.heads.eagle3 import eagle3_mappings
 from specheads.heads.fused_head import LAYER_FIELDS
 
 ARCHITECTURE = "DFlashSpeculator"
-_FOREIGN_ONLY = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")  # never ours to load
 
 
 def speculators_names(cfg: DFlashConfig, lc: Any) -> dict[str, tuple[int, ...]]:
@@ -53,9 +58,8 @@ def speculators_names(cfg: DFlashConfig, lc: Any) -> dict[str, tuple[int, ...]]:
 def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     cfg = build(DFlashConfig, ckpt.config)
     lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
-    state = {**ckpt.state, "embed_tokens.weight": ctx.target_embedding()}
-    if cfg.draft_vocab is not None:
-        state["d2t"], state["t2d"] = eagle3_mappings(cfg.draft_vocab, cfg.vocab_size)
+    state = {**ckpt.state, **vocab_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
+    drafted = block_speculative_tokens(ctx, cfg.block_size - 1, KIND_NAME, "block_size - 1, the anchor aside")
     check_export(state, speculators_names(cfg, lc), "speculators dflash (vLLM)")
     config = {
         "architectures": [ARCHITECTURE],
@@ -64,7 +68,7 @@ def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> lis
         "speculators_config": {
             "algorithm": KIND_NAME,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafted,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": ctx.verifier,
                          "architectures": list(getattr(ctx.target_config, "architectures", None) or [])},
@@ -105,7 +109,7 @@ def read_speculators(folder: Path, meta: Mapping[str, Any], state: dict[str, tor
             raise ValueError(f"{folder} ({layout}) reads target layers {missing}, which a {num_target_layers}-layer "
                              f"target does not have (hidden_states 1..{num_target_layers - 1}); it was trained for "
                              "another target")
-    for name in _FOREIGN_ONLY:
+    for name in FOREIGN_ONLY:
         state.pop(name, None)
     vocab_size = int(lc["vocab_size"])
     if "lm_head.weight" not in state:

@@ -57,11 +57,13 @@ def _fresh(folder: Path) -> None:
 
 
 def export(run_or_heads: str | Path, fmt: str, output: str | Path, *, target: str | None = None,
-           verifier: str | None = None, speculative_tokens: int = 3) -> Exported:
+           verifier: str | None = None, speculative_tokens: int | None = None) -> Exported:
     """Write the heads of `run_or_heads` as `fmt` into the new folder `output`.
 
     `target` (default: the one the heads were trained for) supplies the draft layers' config; `verifier` is the
-    target's name written for the serving engine (default: the trained-for target, the default target's Hub id)."""
+    target's name written for the serving engine (default: the trained-for target, the default target's Hub id);
+    `speculative_tokens` the draft depth recorded where `fmt` keeps one (default: the drafter's own, 3 for a
+    chain drafter; a block drafter refuses more than its block, with a ValueError naming the fix)."""
     source = heads_folder(run_or_heads)
     ckpt = read_checkpoint(source)
     out = Path(output)

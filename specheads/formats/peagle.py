@@ -1,6 +1,8 @@
 """P-EAGLE heads in speculators' `peagle` layout (what vLLM serves): the eagle3 layout plus `mask_hidden` and the
 config's `mask_token_id`; the block size is the greedy proposal's `speculative_tokens`, as speculators writes it
-(speculators/models/peagle/core.py, PEagleDraftModel.from_training_args). SGLang has no P-EAGLE loader."""
+(speculators/models/peagle/core.py, PEagleDraftModel.from_training_args). An export asking for fewer tokens
+(`--speculative-tokens`) records those, which the serving engine then drafts (and an import reads as the block);
+more than the block is refused. SGLang has no P-EAGLE loader."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ import torch
 
 from specheads.config import build
 from specheads.formats.base import ExportContext, Exporter, Importer, register_exporter, register_importer
-from specheads.formats.eagle3 import read_speculators_layout, write_speculators_layout
+from specheads.formats.speculators import (
+    block_speculative_tokens,
+    read_speculators_layout,
+    write_speculators_layout,
+)
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.peagle import KIND_NAME, PEagleConfig
 
@@ -23,7 +29,8 @@ def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> lis
     cfg = build(PEagleConfig, ckpt.config)
     mask = {"mask_hidden": (1, 1, len(cfg.aux_layers) * cfg.hidden_size)}
     return write_speculators_layout(cfg, ckpt.state, folder, ctx, architecture=ARCHITECTURE,
-                                    speculative_tokens=cfg.num_depths, extra_names=mask,
+                                    speculative_tokens=block_speculative_tokens(ctx, cfg.num_depths, KIND_NAME, "num_depths"),
+                                    extra_names=mask,
                                     extra_config={"mask_token_id": cfg.mask_token_id})
 
 

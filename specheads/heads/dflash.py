@@ -27,31 +27,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from specheads.heads.fused_head import FusedHead, check_fused_config
+from specheads.heads.fused_head import FusedHead, MaskEntries, check_fused_config, with_mask_token
 from specheads.hf import decoder_of, draft_layer_config
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "dflash"
 
 
+@dataclass(frozen=True, kw_only=True)
+class DFlashBlock(MaskEntries):
+    """What a DFlash drafter's block is, declared and checked here only: `DFlashConfig` and a dflash recipe's
+    `heads:` section (`specheads.train.dflash`) both take it."""
+
+    block_size: int = 4  # block length B: the anchor (last committed token) and B-1 masked positions it drafts
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"dflash block_size must be >= 2 (the anchor and at least one drafted position; "
+                             f"heads.block_size in a recipe), got {self.block_size}")
+
+
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(DFlashBlock):
     """What a DFlash drafter is; saved as its checkpoint's `config`."""
 
     hidden_size: int  # the target's hidden size H (also the drafter's)
     vocab_size: int  # rows of the target's LM head (the target vocabulary)
     aux_layers: tuple[int, ...]  # target hidden_states indices fused by fc (speculators' aux_hidden_state_layer_ids)
     num_layers: int = 1  # draft decoder layers
-    block_size: int = 4  # block length B: the anchor (last committed token) and B-1 masked positions it drafts
-    mask_token_id: int = 0  # the token fed at the masked positions (an id of the target vocabulary)
     draft_vocab: tuple[int, ...] | None = None  # target ids of the LM head's rows, sorted; None: the whole vocabulary
     layer: dict[str, Any] = field(default_factory=dict)  # draft layer config fields set apart from the target's
 
     def __post_init__(self) -> None:
+        DFlashBlock.__post_init__(self)
         check_fused_config(self, KIND_NAME)
-        if self.block_size < 2:
-            raise ValueError(f"dflash block_size must be >= 2 (the anchor and at least one drafted position), got "
-                             f"{self.block_size}")
 
     @property
     def draft_vocab_size(self) -> int:
@@ -135,6 +144,7 @@ class DFlashLayer(nn.Module):
 class DFlashHead(FusedHead):
     def __init__(self, config: DFlashConfig, target: nn.Module) -> None:
         super().__init__()
+        config = with_mask_token(config, target)
         layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, KIND_NAME,
                                        config.layer)
         limit = getattr(layer_cfg, "max_position_embeddings", None)

@@ -18,137 +18,34 @@ Unlike EAGLE-1 it predicts tokens, not features: later draft steps read the head
 The decoder layers are the target architecture's own classes (the first one with its q/k/v widened and a
 `hidden_norm` added), so parameter names match speculators' checkpoints one for one. The token embedding
 is the target's, frozen and not saved; the LM head and final norm are the head's own and start as the
-target's (its LM head rows of the draft vocabulary, its final norm).
+target's (its LM head rows of the draft vocabulary, its final norm). The head is the fused chain head
+(`specheads.heads.fused_chain`) as it is; P-EAGLE's extends it.
 
 Draft vocabulary: `draft_vocab` lists the target token ids of the LM head's rows, sorted. speculators
 writes the same mapping as `d2t` (target id = draft index + d2t[index]) and `t2d` (a mask over the
-target vocabulary); `eagle3_mappings` converts.
+target vocabulary); `specheads.heads.draft_vocab` converts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-import torch
-from torch import nn
-
-from specheads.heads.fused_head import FusedHead, check_fused_config
-from specheads.hf import cache_kwargs, decoder_of, draft_layer_config
+from specheads.heads.fused_chain import FusedChainConfig, FusedChainHead
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "eagle3"
 
 
-
-def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, middle and high layers (speculators' and vLLM's default): hidden_states 2, L//2, L-3."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
-
-
 @dataclass(frozen=True)
-class Eagle3Config:
-    """What an EAGLE-3 head is; saved as its checkpoint's `config`."""
+class Eagle3Config(FusedChainConfig):
+    """What an EAGLE-3 head is (`FusedChainConfig`); saved as its checkpoint's `config`."""
 
-    KIND: ClassVar[str] = KIND_NAME  # the kind its messages name (a subclass's own)
-
-    hidden_size: int  # the target's hidden size H (also the head's)
-    vocab_size: int  # rows of the target's LM head (the target vocabulary)
-    aux_layers: tuple[int, ...]  # target hidden_states indices fused by fc (speculators' eagle_aux_hidden_state_layer_ids)
-    num_layers: int = 1  # decoder layers in the head; the first reads 2H
-    draft_vocab: tuple[int, ...] | None = None  # target ids of the LM head's rows, sorted; None: the whole vocabulary
-    norm_before_residual: bool = False  # the first layer's residual is hidden_norm(g) instead of g
-    norm_before_fc: bool = False  # one RMSNorm over cat(aux states) before fc (`input_norm`)
-    fc_norm: bool = False  # one RMSNorm per aux state before fc (`fc_norm.i`)
-    norm_output: bool = False  # later draft steps read the post-norm output (speculators' "Eagle 3.1")
-    layer: dict[str, Any] = field(default_factory=dict)  # draft layer config fields set apart from the target's
-
-    def __post_init__(self) -> None:
-        check_fused_config(self, self.KIND)
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError(f"{self.KIND} norm_before_fc and fc_norm exclude each other: set one of them")
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return self.vocab_size if self.draft_vocab is None else len(self.draft_vocab)
+    KIND: ClassVar[str] = KIND_NAME
 
 
-def eagle3_mappings(draft_vocab: tuple[int, ...], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """speculators' (d2t [Vd] int64 offsets, t2d [V] bool) for a sorted draft vocabulary."""
-    ids = torch.tensor(draft_vocab, dtype=torch.long)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return ids - torch.arange(len(ids)), t2d
-
-
-def draft_vocab_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
-    """Target id of each draft row (speculators' and SGLang's d2t holds offsets: target = index + d2t[index])."""
-    return d2t.long() + torch.arange(d2t.shape[0])
-
-
-class Eagle3Head(FusedHead):
-    def __init__(self, config: Eagle3Config, target: nn.Module) -> None:
-        super().__init__()
-        layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, config.KIND,
-                                       config.layer)
-        self.config = config
-        decoder = decoder_of(target)
-        self.layer_config = layer_cfg
-        h, n, eps = config.hidden_size, len(config.aux_layers), layer_cfg.rms_norm_eps
-        norm_cls = type(decoder.norm)
-        if config.norm_before_fc:
-            self.input_norm = norm_cls(n * h, eps=eps)
-        if config.fc_norm:
-            self.fc_norm = nn.ModuleList(norm_cls(h, eps=eps) for _ in range(n))
-        self.fc = nn.Linear(n * h, h, bias=False)
-        self.layers = nn.ModuleList(type(decoder.layers[0])(layer_cfg, layer_idx=i) for i in range(config.num_layers))
-        first = self.layers[0]
-        for name in ("q_proj", "k_proj", "v_proj"):  # the first layer reads cat(embedding, hidden): 2H
-            old = getattr(first.self_attn, name)
-            setattr(first.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
-        first.hidden_norm = norm_cls(h, eps=eps)
-        self._add_output(target, decoder, layer_cfg)
-        self._to_target_dtype(target)
-
-    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., H]: fc over the aux states
-        aux = features[..., : -self.config.hidden_size]  # the last layer's columns are the training target, not an input
-        if self.config.norm_before_fc:
-            aux = self.input_norm(aux)
-        if self.config.fc_norm:
-            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
-        return self.fc(aux)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [B, T] tokens x_{t+1}
-        features: torch.Tensor,  # [B, T, D] target features (fused here) or [B, T, H] the head's own outputs
-        position_ids: torch.Tensor,  # [B, T]
-        attention_mask: torch.Tensor | None = None,  # [B, 1, T, S] additive; None = causal, no cache prefix
-        cache: Any = None,  # an HF Cache holding earlier positions (inference, training-time test)
-    ) -> torch.Tensor:  # [B, T, H]: what the next draft step reads; draft_logits turns it into tokens
-        with torch.no_grad():
-            emb = self.embed_tokens(input_ids)
-        hidden = features if features.shape[-1] == self.config.hidden_size else self.fuse_features(features)
-        pos = self.rotary_emb(hidden, position_ids=position_ids)
-        extra = cache_kwargs(self.layers[0], cache) if cache is not None else {}
-        first = self.layers[0]
-        residual = hidden
-        normed = first.hidden_norm(hidden)
-        if self.config.norm_before_residual:
-            residual = normed
-        x = torch.cat([first.input_layernorm(emb.to(hidden.dtype)), normed], dim=-1)
-        attn = first.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                               position_embeddings=pos, **extra)
-        x = residual + (attn[0] if isinstance(attn, tuple) else attn)
-        x = x + first.mlp(first.post_attention_layernorm(x))
-        for layer in self.layers[1:]:
-            out = layer(x, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=pos, **extra)
-            x = out[0] if isinstance(out, tuple) else out
-        return self.norm(x) if self.config.norm_output else x
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
-        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
-
+class Eagle3Head(FusedChainHead):
+    """An EAGLE-3 head: the fused chain head as it is."""
 
 
 register_kind(DrafterKind(

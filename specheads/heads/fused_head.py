@@ -1,16 +1,59 @@
 """What the drafters that read the target's fused layers share (eagle3, peagle, dflash): the target's frozen token
-embedding, the feature rows they read, and an output side (final norm, LM head over a draft vocabulary) that
-starts as the target's own next-token head."""
+embedding, the feature rows they read (by default `default_aux_layers`), an output side (final norm, LM head over
+a draft vocabulary) that starts as the target's own next-token head, and the default token of mask entries."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    """The low, middle and high target layers fused by default (EAGLE-3's; speculators' and vLLM's default): hidden_states 2, L//2, L-3."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+def default_mask_token(target: nn.Module) -> int:
+    """The target's pad token if it has one of its own (not also its end of turn), else its last id: a token the
+    text rarely holds, so a masked entry rarely looks like a real one (the default mask of block drafters)."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    tcfg = target.config.get_text_config()
+    pad, eos = getattr(tcfg, "pad_token_id", None), getattr(tcfg, "eos_token_id", None)
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab and pad not in eos else vocab - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaskEntries:
+    """The setting of a drafter that feeds mask entries (peagle, dflash): declared once here, for the head configs
+    and the recipes' `heads:` sections alike (the range is checked by `check_fused_config`)."""
+
+    # Chosen when the head is built where None (`with_mask_token`).
+    mask_token_id: int | None = None  # the masked positions' token; None: the target's own pad token, else its last id
+
+
+C = TypeVar("C")
+
+
+def with_mask_token(config: C, target: nn.Module) -> C:
+    """`config` with its mask token chosen for `target` where it names none."""
+    if config.mask_token_id is not None:
+        return config
+    return dataclasses.replace(config, mask_token_id=default_mask_token(target))
+
+
+def declared_by(settings_cls: type, obj: Any) -> dict[str, Any]:
+    """The values `obj` holds for the fields dataclass `settings_cls` declares: a recipe section's share of a head
+    config (settings both inherit from `settings_cls`)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(settings_cls)}
+
 
 # Fields of the draft layer's HF config a drafter may set apart from its target's (an imported drafter's
 # transformer_layer_config can differ in these); anything else is the target's.

@@ -15,7 +15,8 @@ so one forward yields a distribution for each of the block's positions. Training
 sparsely (conditional drop-token: depth d keeps a share r^d of the anchors, at least a floor) so a step costs
 about one pass over the sequence (`specheads.train.peagle`).
 
-The mask token's embedding is the target's (frozen, like every token's); `mask_hidden` is learned.
+The mask token's embedding is the target's (frozen, like every token's); `mask_hidden` is learned. The head is the
+fused chain head EAGLE-3's is (`specheads.heads.fused_chain`), extended here.
 """
 
 from __future__ import annotations
@@ -26,31 +27,44 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
+from specheads.heads.fused_chain import FusedChainConfig, FusedChainHead
+from specheads.heads.fused_head import MaskEntries, with_mask_token
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "peagle"
 
 
-@dataclass(frozen=True)
-class PEagleConfig(Eagle3Config):
-    """What a P-EAGLE head is: an EAGLE-3 head plus its block settings; saved as its checkpoint's `config`."""
+@dataclass(frozen=True, kw_only=True)
+class PEagleBlock(MaskEntries):
+    """What P-EAGLE adds to the fused chain head's settings, declared and checked here only: `PEagleConfig` and a
+    peagle recipe's `heads:` section (`specheads.train.peagle`) both take them."""
 
-    KIND: ClassVar[str] = KIND_NAME
-
-    mask_token_id: int = 0  # the token fed at the masked positions (an id of the target vocabulary)
     num_depths: int = 4  # tokens one forward drafts: the anchor's next token and num_depths - 1 masked positions
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # the mask token included
         if self.num_depths < 1:
-            raise ValueError(f"peagle num_depths must be >= 1 (tokens drafted per forward), got {self.num_depths}")
+            raise ValueError(f"peagle num_depths must be >= 1 (tokens drafted per forward; heads.num_depths in a "
+                             f"recipe), got {self.num_depths}")
 
 
-class PEagleHead(Eagle3Head):
-    """`Eagle3Head` plus the learned `mask_hidden` [1, 1, A*H] (A aux layers), speculators' parameter."""
+@dataclass(frozen=True)
+class PEagleConfig(FusedChainConfig, PEagleBlock):
+    """What a P-EAGLE head is: the EAGLE-3 layout's fused chain head plus its block settings; saved as its
+    checkpoint's `config`."""
+
+    KIND: ClassVar[str] = KIND_NAME
+
+    def __post_init__(self) -> None:
+        PEagleBlock.__post_init__(self)
+        FusedChainConfig.__post_init__(self)  # the mask token's range included
+
+
+class PEagleHead(FusedChainHead):
+    """The fused chain head (as `Eagle3Head`) plus the learned `mask_hidden` [1, 1, A*H] (A aux layers),
+    speculators' parameter."""
 
     def __init__(self, config: PEagleConfig, target: nn.Module) -> None:
+        config = with_mask_token(config, target)
         super().__init__(config, target)
         limit = getattr(self.layer_config, "max_position_embeddings", None)
         if limit is not None and config.num_depths >= limit:

@@ -324,7 +324,7 @@ def test_heads_take_a_named_tree_after_an_at_sign():
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("eagle:runs/x@huge", "unknown eagle tree 'huge'; use one of: cpu, wide, eagle2"),
+    ("eagle:runs/x@huge", "unknown tree 'huge'; use one of: cpu, wide, eagle2"),
     ("eagle:runs/x@", "write eagle:DIR@TREE, e.g. eagle:runs/x/final@eagle2"),
 ])
 @pytest.mark.usefixtures("heads_folders")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specheads.inference import Engine
-from specheads.inference.proposers.eagle import EagleTreeConfig
-from specheads.inference.proposers.peagle import block_tree
+from specheads.inference.proposers.block_tree import block_tree
+from specheads.inference.proposers.tree_options import TreeConfig
 from tests.conftest import repetitive_prompt, tiny_model
 from tests.drafters import proposer_for, save_case
 
@@ -29,14 +29,14 @@ def test_the_tree_holds_the_best_paths_of_the_block():
     probs[1, [7, 8]] = torch.tensor([0.9, 0.1])
     probs[2, [9, 10]] = torch.tensor([0.6, 0.4])
     logp = probs.clamp(min=1e-9).log()
-    tree = block_tree(EagleTreeConfig(depth=3, topk=2, total_tokens=6), 1, logp, lambda i: i)
+    tree = block_tree(TreeConfig(depth=3, topk=2, total_tokens=6), 1, logp, lambda i: i)
     # best-first: 5 (0.6), 5-7 (0.54), 5-7-9 (0.324), 6 (0.3), 6-7 (0.27); 5-7-10 (0.216) does not fit
     assert tree.tokens.tolist() == [1, 5, 7, 9, 6, 7]
     assert tree.parents.tolist() == [-1, 0, 1, 2, 0, 4]
     assert tree.accept_probs.tolist() == pytest.approx([1.0, 0.6, 0.54, 0.324, 0.3, 0.27])
-    chain = block_tree(EagleTreeConfig(depth=3, topk=1, total_tokens=10), 1, logp, lambda i: i)
+    chain = block_tree(TreeConfig(depth=3, topk=1, total_tokens=10), 1, logp, lambda i: i)
     assert chain.tokens.tolist() == [1, 5, 7, 9] and chain.parents.tolist() == [-1, 0, 1, 2]
-    assert block_tree(EagleTreeConfig(depth=3, topk=2, total_tokens=6, min_expected_accepted=5.0), 1, logp,
+    assert block_tree(TreeConfig(depth=3, topk=2, total_tokens=6, min_expected_accepted=5.0), 1, logp,
                       lambda i: i).size == 1  # a tree expecting too little: a plain step
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specheads.inference.proposers.base import ProposalContext
-from specheads.inference.proposers.eagle import EagleProposer, EagleTreeConfig
+from specheads.inference.proposers.eagle import EagleProposer
+from specheads.inference.proposers.tree_options import TreeConfig
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -32,7 +33,7 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
 @pytest.mark.parametrize("floor", [0.0, 0.02])
 def test_rows_drafting_together_draft_what_each_drafts_alone(target, floor):
     head = random_eagle_head(target, draft_vocab=tuple(range(0, target.config.vocab_size, 2)))  # context vocab in use
-    config = EagleTreeConfig(depth=5, topk=3, total_tokens=14)
+    config = TreeConfig(depth=5, topk=3, total_tokens=14)
     template = EagleProposer(head, config, stop_below=lambda: floor)
     together = [template] + [template.fork() for _ in PROMPT_LENGTHS[1:]]
     alone = [EagleProposer(head, config, stop_below=lambda: floor) for _ in PROMPT_LENGTHS]  # a head cache each
@@ -41,7 +42,7 @@ def test_rows_drafting_together_draft_what_each_drafts_alone(target, floor):
         for p, text in zip(rows, texts):
             hidden = target(torch.tensor([text[:-1]]), output_hidden_states=True).hidden_states
             p.start(context(text, 8), hidden)
-    assert len({p._rows for p in together}) == 1 and len({p._rows for p in alone}) == len(alone)
+    assert len({p.head_rows for p in together}) == 1 and len({p.head_rows for p in alone}) == len(alone)
     for step in range(3):
         ctxs = [context(t, d) for t, d in zip(texts, DEPTHS)]
         trees = EagleProposer.propose_many(together, ctxs)
@@ -60,7 +61,7 @@ def test_rows_drafting_together_draft_what_each_drafts_alone(target, floor):
             texts[i] = texts[i] + tree.tokens[1: min(2, tree.size)].tolist() + [7 + step]
     # a row leaves: the last row moves into its place, and the others still draft what they draft alone
     together[1].finish()
-    assert together[1]._row == -1 and sorted(p._row for p in together if p._row >= 0) == [0, 1, 2]
+    assert together[1].row == -1 and sorted(p.row for p in together if p.row >= 0) == [0, 1, 2]
     keep = [0, 2, 3]
     ctxs = [context(texts[i], 5) for i in keep]
     for tree, i, ctx in zip(EagleProposer.propose_many([together[i] for i in keep], ctxs), keep, ctxs):

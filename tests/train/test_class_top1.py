@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specheads.token_classes import TOKEN_CLASSES, TokenClasses
+from specheads.train.chain_loss import chain_eval
 from specheads.train.class_top1 import (
     CLASS_HITS,
     CLASS_POSITIONS,
@@ -18,7 +19,7 @@ from specheads.train.class_top1 import (
     token_hits,
 )
 from specheads.train.dflash import DFlashHeadsConfig, build_dflash, dflash_eval
-from specheads.train.eagle import EagleHeadsConfig, build_eagle, chain_eval
+from specheads.train.eagle import EagleHeadsConfig, build_eagle
 from specheads.train.eagle3 import Eagle3HeadsConfig, build_eagle3
 from specheads.train.medusa import MedusaHeadsConfig, build_medusa, medusa_eval
 from specheads.train.peagle import PEagleHeadsConfig, block_eval, build_peagle

@@ -7,7 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from specheads.heads.eagle import EagleConfig
-from specheads.train.eagle import EagleHeadsConfig, build_eagle, chain_eval, eagle_step_loss, ttt_mask, unroll
+from specheads.train.chain_loss import chain_eval, ttt_mask, unroll
+from specheads.train.eagle import EagleHeadsConfig, build_eagle, eagle_step_loss
 from specheads.train.eagle3 import Eagle3HeadsConfig, build_eagle3, eagle3_step_loss
 from tests.conftest import tiny_model
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from specheads.heads.fused_head import default_mask_token
 from specheads.heads.peagle import PEagleConfig, PEagleHead
 from specheads.train.peagle import (
     PEagleHeadsConfig,
@@ -16,7 +17,6 @@ from specheads.train.peagle import (
     block_mask,
     build_peagle,
     cod_anchors,
-    default_mask_token,
     peagle_step_loss,
 )
 from tests.conftest import tiny_model

@@ -286,3 +286,25 @@ def test_the_hub_stub_refuses_malformed_requests():
         commit = httpx.post(f"{hub.url}/api/models/org/x/commit/main", headers=auth,
                             content=json.dumps({"key": "file", "value": {"path": "a", "content": "", "encoding": "base64"}}))
         assert commit.status_code == 400 and not hub.repos["org/x"]["files"]
+
+
+@pytest.mark.parametrize("kind,block", [("peagle", 4), ("dflash", 3)])  # tests.drafters: num_depths 4, block_size 4
+def test_speculative_tokens_of_block_drafters_are_honoured_up_to_the_block_and_refused_past_it(kind, block, target_dir,
+                                                                                               tmp_path):
+    target, target_path = target_dir
+    saved(kind, target, target_path, tmp_path / "heads")
+
+    def recorded(folder):
+        config = json.loads((folder / "config.json").read_text())
+        return config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+
+    export(tmp_path / "heads", "speculators", tmp_path / "own")
+    assert recorded(tmp_path / "own") == block  # by default the drafter's own block
+    export(tmp_path / "heads", "speculators", tmp_path / "fewer", speculative_tokens=2)
+    assert recorded(tmp_path / "fewer") == 2
+    with pytest.raises(ValueError, match=rf"--speculative-tokens {block + 1}: these {kind} heads draft {block} tokens "
+                                         rf"per forward .*pass --speculative-tokens {block} or less"):
+        export(tmp_path / "heads", "speculators", tmp_path / "more", speculative_tokens=block + 1)
+    assert not (tmp_path / "more").exists()
+    if kind == "peagle":  # the recorded block is the imported one
+        assert load_drafter(tmp_path / "fewer", target, kind=kind).config.num_depths == 2
