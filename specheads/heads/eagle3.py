@@ -1,14 +1,8 @@
 """EAGLE-3 draft head, laid out exactly as vLLM's `speculators` package defines `eagle3` (so it exports and
 imports without conversion of the maths, only of names).
 
-At position t the head reads three (by default) intermediate target layers at t and the embedding of token
-x_{t+1}, and drafts x_{t+2} with its own LM head over a reduced draft vocabulary:
-
-    g = fc(cat(h_a, h_b, h_c))                                        fc: 3H -> H, no bias
-    x = cat(input_layernorm(embed(x_{t+1})), hidden_norm(g))          2H wide: the first layer's q/k/v read 2H
-    x = g + attn(x); x = x + mlp(post_attention_layernorm(x))         residual: g (hidden_norm(g) with norm_before_residual)
-    ... further standard decoder layers ...
-    logits = lm_head(norm(x))                                         over the draft vocabulary only
+The layout and its maths are the shared fused chain head's (`specheads.heads.fused_chain`, whose docstring
+shows them); this module declares the kind on top of it.
 
 Unlike EAGLE-1 it predicts tokens, not features: later draft steps read the head's own pre-norm output `x`
 (post-norm with `norm_output`) in place of `g`. Options of speculators kept as they are: `norm_before_fc`
