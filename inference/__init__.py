@@ -6,8 +6,9 @@ The names below load on first use (PEP 562), so importing a light submodule (the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from specheads.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from specheads.inference.engine import Engine, GenerationResult
@@ -28,14 +29,4 @@ _WHERE = {
 
 __all__ = ["DraftTree", "Engine", "GenerationResult", "GenerationStats", "SamplingParams", "VerifyResult", "verify"]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE)

@@ -1,26 +1,19 @@
 """Methods side by side on the same questions, interleaved per question so machine drift hits all alike.
 
-Method specs: the engine methods of `specheads.inference.methods.METHODS` (`ar`, `ngram`,
-`draft:PATH`, `draft:early-exit:N`, and each drafter kind as `KIND:HEADS_DIR`; a method with named
-trees takes an optional `@TREE` suffix to run the same heads with another tree, and `+OPTION=VALUE`
-suffixes set any of the method's options, e.g. `+lookup=0` for the heads alone or `+draft_dtype=int8`)
-and the
-transformers baselines `hf` (`generate`), `hf-assisted:PATH` (assisted generation with a draft
-model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Every method answers the same
-rendered prompt; on a second turn each method sees its own first answer. For greedy runs each
-output is compared with `ar`'s (the exactness check).
+Which methods run is a list of method specs (`specheads.inference.method_spec`): engine methods and the
+transformers baselines. Every method answers the same rendered prompt; on a second turn each method sees
+its own first answer. For greedy runs each output is compared with `ar`'s (the exactness check).
 
 Running lives here; tables, files, plots and W&B live in `bench_report.py`.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -28,98 +21,14 @@ from transformers.generation.streamers import BaseStreamer
 
 from specheads.inference.diagnosis import RejectionLog
 from specheads.inference.engine import Engine
-from specheads.inference.methods import METHODS, DraftLoader, make_proposer
+from specheads.inference.method_spec import PLD_TOKENS, MethodSpec
+from specheads.inference.methods import DraftLoader, make_proposer
 from specheads.inference.proposers.base import Proposer
 from specheads.inference.proposers.parallel_draft import parallel_spec
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.stats import GenerationStats
 from specheads.questions import Question
 from specheads.target import render_chat
-
-BASELINES = ("hf", "hf-assisted", "hf-pld")
-# "KIND:DIR+lookup=0+draft_dtype=int8": trailing option settings (the value may not contain "+" or "@")
-_OPTION_SUFFIX = re.compile(r"\+([a-z][a-z0-9_-]*)=([^+@]*)$")
-PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
-
-
-def valid_methods() -> list[str]:
-    return [*METHODS.names(), *BASELINES]
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str  # as given, e.g. "draft:early-exit:8"; the key of every record and table row
-    method: str  # "ar", "hf", "ngram", "draft", a drafter kind, ...
-    arg: str | None = None  # draft model, heads folder, assistant model, or hf-pld draft length
-    tree: str | None = None  # a named tree (or a tree file, where the method reads them) from an "@TREE" suffix
-    lookup: int | None = None  # prompt-lookup continuations from a "+lookup=N" suffix (None: the method's default)
-    settings: tuple[tuple[str, str], ...] = ()  # every "+OPTION=VALUE" suffix, as written
-    options: Any = None  # the engine method's options (None for the HF baselines)
-
-
-def parse_methods(spec: str) -> list[MethodSpec]:
-    """'ar,hf,ngram,draft:early-exit:8' -> specs; unknown names list the valid ones. Each engine method's options
-    are built (and so validated) here, before any model loads."""
-    out: list[MethodSpec] = []
-    for name in (s.strip() for s in spec.split(",")):
-        if not name:
-            continue
-        method, _, arg = name.partition(":")
-        if "+" in method:  # `ngram+width=2`: option suffixes on a method that takes no argument
-            method, plus, suffixes = method.partition("+")
-            arg = plus + suffixes + (":" + arg if arg else "")
-        if method not in METHODS and method not in BASELINES:
-            raise ValueError(f"unknown method {method!r} in --methods; valid: {', '.join(valid_methods())}")
-        if any(s.name == name for s in out):
-            raise ValueError(f"method {name!r} is listed twice in --methods")
-        out.append(_baseline_spec(name, method, arg) if method in BASELINES else _engine_spec(name, method, arg))
-    if not out:
-        raise ValueError("--methods is empty; e.g. --methods ar,hf,ngram")
-    return out
-
-
-def _baseline_spec(name: str, method: str, arg: str) -> MethodSpec:
-    if method == "hf" and arg:
-        raise ValueError(f"method {method} takes no argument, got {name!r}")
-    if method == "hf-pld" and arg and not (arg.isdigit() and int(arg) >= 1):
-        raise ValueError(f"{name}: the hf-pld argument is the draft length N >= 1, e.g. hf-pld:10")
-    if method == "hf-assisted" and not arg:
-        raise ValueError(f"method {method} needs a path: {method}:PATH")
-    return MethodSpec(name=name, method=method, arg=arg or None)
-
-
-def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
-    """`METHOD[:ARG][@TREE][+OPTION=VALUE...]`: the suffixes are read only for methods with those options."""
-    m = METHODS.get(method)
-    if m.arg is not None and not arg:
-        raise ValueError(f"method {method} needs a path: {method}:{m.arg_hint}")
-    found: list[tuple[str, str]] = []  # read right to left
-    while (suffix := _OPTION_SUFFIX.search(arg)) and m.takes(key := suffix[1].replace("-", "_")):
-        if any(k == key for k, _ in found):
-            raise ValueError(f"{name}: +{key}= is given twice")
-        found.append((key, suffix[2]))
-        arg = arg[: suffix.start()]
-    settings = dict(reversed(found))
-    if m.arg is None and arg:
-        if unknown := _OPTION_SUFFIX.search(arg):  # no path to hide in: any suffix left names an unknown option
-            takes = ", ".join(f.name for f in fields(m.options)) or "none"
-            raise ValueError(f"{name}: {method} has no option {unknown[1]!r} (its options: {takes})")
-        raise ValueError(f"method {method} takes no argument, got {name!r}")
-    tree = None
-    if m.takes("tree") and "@" in arg and "/" not in arg.rpartition("@")[2]:  # "@" inside a folder name is no tree
-        arg, _, tree = arg.rpartition("@")
-        if not arg or not tree:
-            example = list(m.trees)[-1] if m.trees else "TREE"
-            raise ValueError(f"{name}: write {method}:DIR@TREE, e.g. {method}:runs/x/final@{example}")
-    if m.arg is not None and not arg:
-        raise ValueError(f"{name}: {method} needs a path before its suffixes: {method}:{m.arg_hint}[@TREE][+OPTION=VALUE]")
-    try:
-        values = {key: m.parse_option(key, text) for key, text in settings.items()}
-        options = m.make_options({**values, "tree": tree, **({m.arg: arg} if m.arg else {})})
-    except ValueError as err:
-        raise ValueError(f"{name}: {err}") from None
-    return MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=values.get("lookup"),
-                      settings=tuple(settings.items()), options=options)
 
 
 class Runner(Protocol):

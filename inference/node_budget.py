@@ -23,14 +23,11 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from specheads.inference.methods.options import NODE_BUDGETS, check_node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer, finish, fork, propose_rows
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.inference.verify_cost import VerifyCost, VerifyCosts
-
-NODE_BUDGETS = ("auto", "fixed")  # the first is the default
-NODE_BUDGET_HELP = (f"{', '.join(NODE_BUDGETS)}: per step verify only the drafted nodes worth their verify cost on this "
-                    "machine (default; the cost curve is measured once, a few seconds, and cached), or the whole tree")
 
 # Calibration bins over estimated acceptance probability: finer at the low end, where most nodes sit.
 _EDGES = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], dtype=torch.float64)
@@ -160,11 +157,6 @@ class NodeBudget:
         accepted = torch.zeros(tree.size, dtype=torch.bool)
         accepted[result.path.cpu()] = True
         self.calibration.observe(tree.accept_probs[1:], accepted[1:])
-
-
-def check_node_budget(choice: str | None) -> None:
-    if choice is not None and choice not in NODE_BUDGETS:
-        raise ValueError(f"unknown --node-budget {choice!r}; use one of: {', '.join(NODE_BUDGETS)}")
 
 
 def node_budget(target: PreTrainedModel, choice: str | None) -> NodeBudget | None:

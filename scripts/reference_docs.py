@@ -59,7 +59,23 @@ def cli_markdown() -> str:
         rows = _flag_rows(p)
         if rows:
             out += ["| argument | default | meaning |", "| --- | --- | --- |", *rows, ""]
+        if name == "export":
+            out += _format_rows()
     return "\n".join(out).rstrip() + "\n"
+
+
+def _format_rows() -> list[str]:
+    """Which drafter kinds each `--to` format takes, from the registered exporters."""
+    from specheads.formats import EXPORTERS
+    from specheads.formats.engines import FORMATS, HF_FORMAT
+    from specheads.kinds import KINDS
+
+    kinds: dict[str, list[str]] = {fmt: [] for fmt in FORMATS}
+    kinds[HF_FORMAT] = KINDS.names()
+    for _, exporter in EXPORTERS.items():
+        kinds[exporter.format].append(f"{exporter.kind} ({_cell(exporter.loader)})")
+    return ["| `--to` | read by | drafter kinds |", "| --- | --- | --- |",
+            *(f"| `{fmt}` | {_cell(FORMATS[fmt])} | {', '.join(kinds[fmt])} |" for fmt in FORMATS), ""]
 
 
 def field_comments(cls: type) -> dict[str, str]:

@@ -16,15 +16,6 @@ import warnings
 import torch
 from torch import nn
 
-DRAFT_DTYPES = ("target", "int8")  # a drafter's weights: as loaded (the target's dtype) or int8
-DRAFT_DTYPE_HELP = (f"{', '.join(DRAFT_DTYPES)}: the drafter's weights as loaded (default) or int8 (CPU: drafting reads a "
-                    "quarter of the bytes; outputs stay exact)")
-
-
-def check_draft_dtype(draft_dtype: str | None) -> None:
-    if draft_dtype is not None and draft_dtype not in DRAFT_DTYPES:
-        raise ValueError(f"unknown --draft-dtype {draft_dtype!r}; use one of: {', '.join(DRAFT_DTYPES)}")
-
 
 def input_dtype(layer: nn.Module) -> torch.dtype:
     """The dtype a linear layer takes its input in: its weight's, or fp32 for an Int8Linear."""

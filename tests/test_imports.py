@@ -76,7 +76,8 @@ def test_the_kind_name_check_sees_literals():
 
 # The packages holding a file per drafter kind (`<kind>.py`), by the module names they are imported as.
 KIND_PACKAGES = {"specheads.heads": "specheads/heads", "specheads.formats": "specheads/formats",
-                 "specheads.train": "train", "specheads.inference.proposers": "inference/proposers"}
+                 "specheads.train": "train", "specheads.inference.proposers": "inference/proposers",
+                 "specheads.inference.methods": "inference/methods"}
 
 
 def sibling_kind_imports(path: Path, source: str | None = None) -> list[tuple[str, str]]:

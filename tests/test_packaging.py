@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_help import help_without_torch
+
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the import name it installs as (setup.py's ROOTS).
 FOLDERS = {"specheads": "specheads", "train": "specheads/train", "inference": "specheads/inference"}
@@ -105,4 +107,9 @@ def test_a_fresh_environment_runs_every_commands_help(wheel: Path, tmp_path):
         assert proc.stdout.startswith(f"usage: specheads {sub}"), (sub, proc.stdout[:200])
     train = subprocess.run([str(python), "-m", "specheads.train", "--help"], cwd=tmp_path, capture_output=True,
                            text=True)
-    assert train.returncode == 0 and "Recipes" in train.stdout + train.stderr, train.stderr
+    assert train.returncode == 0 and "recipe:" in train.stdout + train.stderr, train.stderr
+
+    # 4. ... and none of them imports torch or transformers to do it (so each answers at once).
+    for argv in (["--help"], *([sub, "--help"] for sub in SUBCOMMANDS)):
+        done = help_without_torch(str(python), argv, cwd=tmp_path)
+        assert done["code"] == 0 and not done["torch"] and not done["transformers"], (argv, done)

@@ -9,12 +9,17 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nThe config's recipe: key names what to train (list them: --recipes; every key of "
+              "each: docs/recipes.md).\nCommon overrides: output_dir=DIR max_steps=N data.max_conversations=N "
+              "resume=true report_to=wandb", file=sys.stderr)
+        return 0 if args else 2
+    if args == ["--recipes"]:  # imports every recipe (torch with them); --help stays instant
         from specheads.train.objective import OBJECTIVES
 
-        print(__doc__.strip() + f"\n\nRecipes (the config's recipe: key): {', '.join(sorted(OBJECTIVES.names()))}."
-              "\nCommon overrides: output_dir=DIR max_steps=N data.max_conversations=N resume=true "
-              "report_to=wandb", file=sys.stderr)
-        return 0 if args else 2
+        for name, objective in sorted(OBJECTIVES.items()):
+            doc = sys.modules[objective.build.__module__].__doc__ or ""  # the recipe module's first line says what
+            print(f"{name}: {doc.strip().splitlines()[0] if doc.strip() else objective.kind}")
+        return 0
     config_path, overrides = (None, args) if "=" in args[0] else (args[0], args[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):

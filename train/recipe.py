@@ -326,7 +326,7 @@ def measured_tau(cfg: TrainConfig, objective: Objective, target, tokenizer, eval
     def load_draft(path: str):  # a standalone draft model (distill), in the target's dtype and place
         return load_target(path, device=str(target.device), dtype=target.dtype)[0]
 
-    proposer = method.build(target, method.heads_alone(str(heads_dir)), load_draft)
+    proposer = method.builder()(target, method.heads_alone(str(heads_dir)), load_draft)
     prompts = held_out_prompts(eval_ds, cfg.measure_prompts)
     if not prompts:
         return {}

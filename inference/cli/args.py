@@ -31,12 +31,11 @@ def add_target(p: argparse.ArgumentParser, *, default: str | None = "default", h
 
 def add_model_settings(p: argparse.ArgumentParser) -> None:
     """How the target loads: device, dtype, weight layout, an fp32 head and a LoRA adapter."""
-    # Imports torch: only once a command that loads a model is built.
-    from specheads.gemm_layout import LAYOUTS
-
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    p.add_argument("--weight-layout", default="auto", choices=LAYOUTS,
+    # The names are checked where the model loads (`specheads.gemm_layout.resolve_layout`), so building these
+    # arguments imports no torch.
+    p.add_argument("--weight-layout", default="auto", metavar="LAYOUT",
                    help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such as "
                         "a tree verify run 2-5x faster that way; packed for bf16 on a CPU with native bf16, where each "
                         "weight is packed once for oneDNN instead of at every product; row-major elsewhere), row, column, "

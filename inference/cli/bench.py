@@ -14,7 +14,7 @@ DESCRIPTION = ("Run several methods over the same questions in one process, inte
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specheads.inference.bench import BASELINES
+    from specheads.inference.method_spec import BASELINES
     from specheads.inference.methods import METHODS
 
     shared.add_target(p)
@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from specheads.inference import bench_run
-    from specheads.inference.bench import build_runners, parse_methods
+    from specheads.inference.bench import build_runners
+    from specheads.inference.method_spec import parse_methods
     from specheads.inference.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, stop_token_ids

@@ -13,12 +13,12 @@ DESCRIPTION = ("Write a training run's heads (or a heads folder) in another engi
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specheads.formats import export_formats
-    from specheads.formats.export import HF_FORMAT
+    from specheads.formats.engines import FORMATS
 
     p.add_argument("source", metavar="RUN_OR_HEADS_DIR", help="a training run's output_dir or a heads folder")
-    p.add_argument("--to", dest="fmt", required=True, choices=[HF_FORMAT, *export_formats()],
-                   help=f"{HF_FORMAT}: our format and a model card; " + "; ".join(_format_help()))
+    p.add_argument("--to", dest="fmt", required=True, choices=list(FORMATS),
+                   help="; ".join(f"{fmt}: {what}" for fmt, what in FORMATS.items()) + " (which drafter kinds each "
+                        "format takes: docs/cli.md; a kind a format cannot express is refused, naming those it can)")
     shared.add_output(p, required=True, type=None, help="a new (or empty) folder for the export")
     shared.add_target(p, default=None, help="the target whose config the draft layers take (default: the one the "
                                             "heads were trained for)")
@@ -28,15 +28,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "3 for a chain drafter; a block drafter's own block, and at most that)")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", help="also publish the export as this Hub model repo")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
-
-
-def _format_help() -> list[str]:
-    from specheads.formats import EXPORTERS
-
-    by_format: dict[str, list[str]] = {}
-    for _, e in EXPORTERS.items():
-        by_format.setdefault(e.format, []).append(f"{e.kind} heads for {e.loader}")
-    return [f"{fmt}: {', '.join(what)}" for fmt, what in by_format.items()]
 
 
 def run(args: argparse.Namespace) -> None:

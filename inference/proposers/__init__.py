@@ -1,10 +1,18 @@
 """Proposers: everything that drafts tokens, behind one `propose` signature.
 
-Importing this package registers the built-in decoding methods (`specheads.inference.methods.METHODS`),
-one import per proposer module; each module registers its own method.
+Each decoding method is declared in `specheads.inference.methods` and built by its proposer module here. The
+names below load on first use (PEP 562), so importing this package imports no torch.
 """
 
-from specheads.inference.proposers import base, dflash, draft_model, eagle, eagle3, medusa, ngram, peagle  # noqa: F401  (register methods)
-from specheads.inference.proposers.base import AutoregressiveProposer, ProposalContext, Proposer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specheads.lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from specheads.inference.proposers.base import AutoregressiveProposer, ProposalContext, Proposer
 
 __all__ = ["AutoregressiveProposer", "ProposalContext", "Proposer"]
+
+__getattr__, __dir__ = lazy_attributes(__name__, dict.fromkeys(__all__, "base"))

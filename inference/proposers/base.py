@@ -9,7 +9,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specheads.inference.methods import Method, NoOptions, register_method
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
@@ -95,7 +94,6 @@ class AutoregressiveProposer:
         pass
 
 
-register_method(Method(
-    name="ar", summary="plain autoregressive decoding in the same engine (the baseline speculation is measured against)",
-    options=NoOptions, build=lambda target, options, load_draft: AutoregressiveProposer(),
-))
+def build_autoregressive(target, options, load_draft) -> AutoregressiveProposer:
+    """The `ar` method's proposer (`specheads.inference.methods.ar`)."""
+    return AutoregressiveProposer()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from specheads.inference.proposers.tree_options import TreeConfig
+from specheads.inference.methods.tree_options import TreeConfig
 from specheads.inference.tree import DraftTree
 
 

@@ -19,12 +19,11 @@ import torch
 
 from specheads.heads.checkpoint import load_drafter
 from specheads.heads.dflash import KIND_NAME, KV, DFlashHead
-from specheads.inference.methods import Method, register_method
+from specheads.inference.methods.tree_options import TreeConfig, TreeOptions, tree_config
 from specheads.inference.node_budget import node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.block_tree import block_tree
 from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.proposers.tree_options import TREES, TreeConfig, TreeOptions, tree_config
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears
@@ -126,16 +125,10 @@ def _draft_blocks(rows: list[DFlashProposer], ctxs: list[ProposalContext]) -> li
             for b, (p, c, d) in enumerate(zip(rows, ctxs, depths))]
 
 
-def _build(target, options: TreeOptions, load_draft) -> Proposer:
+def build(target, options: TreeOptions, load_draft) -> Proposer:
+    """The `dflash` method's proposer (`specheads.inference.methods.dflash`)."""
     head = load_drafter(options.heads, target, kind=KIND_NAME)
     if options.draft_dtype == "int8":
         quantize_linears(head)
     tree = tree_config(options, options.depth or head.config.block_size - 1)
     return with_heads_options(DFlashProposer(head, tree), target, options, node_budget(target, options.node_budget))
-
-
-register_method(Method(
-    name=KIND_NAME, summary="a DFlash block drafter: one forward fills a block, expanded into a tree, prompt lookup "
-                            "grafted on",
-    options=TreeOptions, build=_build, arg="heads", arg_hint="DIR", trees=TREES,
-))

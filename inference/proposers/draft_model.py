@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import re
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specheads.inference.cache import TreeKVCache, cache_kwargs
-from specheads.inference.methods import DraftLoader, Method, option, register_method
+from specheads.inference.methods import DraftLoader
+from specheads.inference.methods.draft import EARLY_EXIT, DraftConfig, DraftOptions
 from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.proposers.parallel_draft import (
     ParallelDraftProposer,
@@ -30,17 +30,7 @@ from specheads.inference.proposers.parallel_draft import (
 )
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype, quantize_linears
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    depth: int = 4  # draft tokens per branch
-    width: int = 1  # branches at the root; 1 drafts a chain
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or self.width < 1:
-            raise ValueError(f"draft depth and width must be >= 1, got depth={self.depth}, width={self.width}")
+from specheads.int8 import quantize_linears
 
 
 def vocab_size(model: PreTrainedModel) -> int:
@@ -194,26 +184,8 @@ def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreT
                          "use a draft model from the target's family")
 
 
-EARLY_EXIT = "early-exit:"
-
-
-@dataclass(frozen=True)
-class DraftOptions:
-    draft: str | None = option("draft model (HF id or folder) with the target's vocabulary, or early-exit:N "
-                               "(the target's first N layers)")
-    depth: int | None = option(f"draft tokens per branch (default {DraftConfig.depth}; a parallel drafter: its K)")
-    width: int | None = option(f"branches at the root (default {DraftConfig.width}: a chain); a parallel drafter: "
-                               "alternatives at every depth")
-    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
-
-    def __post_init__(self) -> None:
-        check_draft_dtype(self.draft_dtype)
-        if self.draft is not None and self.draft.startswith(EARLY_EXIT) and not self.draft[len(EARLY_EXIT):].isdigit():
-            raise ValueError(f"--draft {self.draft}: N must be a layer count, e.g. early-exit:8")
-
-
-def _build(target: PreTrainedModel, options: DraftOptions,
-           load_draft: DraftLoader | None) -> DraftModelProposer | ParallelDraftProposer:
+def build(target: PreTrainedModel, options: DraftOptions,
+          load_draft: DraftLoader | None) -> DraftModelProposer | ParallelDraftProposer:
     if options.draft.startswith(EARLY_EXIT):
         model = early_exit_model(target, int(options.draft[len(EARLY_EXIT):]))
     else:
@@ -241,10 +213,3 @@ def int8_draft(model: PreTrainedModel) -> PreTrainedModel:
     if model.dtype != torch.float32:
         model = model.float()  # new fp32 tensors for the draft; the target's own parameters keep their dtype
     return quantize_linears(model)
-
-
-register_method(Method(
-    name="draft", summary="a smaller causal LM (or the target's first N layers) drafts a chain or a top-k tree; a "
-                          "parallel drafter drafts its K tokens in one forward",
-    options=DraftOptions, build=_build, arg="draft", arg_hint="PATH or early-exit:N",
-))

@@ -9,13 +9,11 @@ verification is exact.
 from __future__ import annotations
 
 from specheads.heads.eagle3 import KIND_NAME
-from specheads.inference.methods import Method, register_method
+from specheads.inference.methods.tree_options import TreeOptions
+from specheads.inference.proposers.base import Proposer
 from specheads.inference.proposers.fused_tree import HeadVocabulary, tree_proposer
-from specheads.inference.proposers.tree_options import TREES, TreeOptions
 
-register_method(Method(
-    name=KIND_NAME, summary="EAGLE-3 heads drafting an EAGLE-2 dynamic tree, prompt lookup grafted on",
-    options=TreeOptions,
-    build=lambda target, options, load_draft: tree_proposer(target, options, KIND_NAME, HeadVocabulary),
-    arg="heads", arg_hint="DIR", trees=TREES,
-))
+
+def build(target, options: TreeOptions, load_draft) -> Proposer:
+    """The `eagle3` method's proposer (`specheads.inference.methods.eagle3`)."""
+    return tree_proposer(target, options, KIND_NAME, HeadVocabulary)

@@ -35,10 +35,10 @@ from torch import nn
 from specheads.heads.checkpoint import load_drafter
 from specheads.inference.batch_cache import BatchKVCache, additive_mask
 from specheads.inference.context_vocab import ContextVocabulary
+from specheads.inference.methods.tree_options import TreeConfig, TreeOptions, named_tree, tree_config
 from specheads.inference.node_budget import node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.proposers.tree_options import TreeConfig, TreeOptions, named_tree, tree_config
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears

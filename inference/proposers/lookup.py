@@ -15,30 +15,17 @@ for greedy and sampling alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
 
-from specheads.hub import looks_like_repo_id, resolve_heads
-from specheads.inference.methods import option
-from specheads.inference.node_budget import (
-    NODE_BUDGET_HELP,
-    NodeBudget,
-    check_node_budget,
-    node_budget,
-    with_node_budget,
-)
+from specheads.inference.methods.options import DEFAULT_LOOKUP, HeadsOptions, NgramConfig
+from specheads.inference.node_budget import NodeBudget, node_budget, with_node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer, finish, fork, propose_rows
-from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
+from specheads.inference.proposers.ngram import NgramProposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-from specheads.int8 import DRAFT_DTYPE_HELP, check_draft_dtype
-
-# One continuation of up to 8 tokens, from the longest n-gram (3 down to 1) that matches. On the 2-core CPU
-# this gave the most speed: deeper or more continuations raised τ further but cost more in the verify forward.
-DEFAULT_LOOKUP = NgramConfig(min_ngram=1, num_candidates=1, depth=8, max_nodes=8)
 
 
 class WithPromptLookup:
@@ -74,30 +61,6 @@ class WithPromptLookup:
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self.lookup.on_verified(result, None)
         self.inner.on_verified(result, target_hidden)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HeadsOptions:
-    """Options every method drafting from trained heads takes; a kind's options extend these."""
-
-    heads: str | None = option("trained heads: a training run's final/ folder, a speculators or SGLang EAGLE-3 folder, "
-                               "or a Hub repo id of one")
-    lookup: int | None = option(f"prompt-lookup continuations grafted onto the heads' tree (default "
-                                f"{DEFAULT_LOOKUP.num_candidates}; 0 = the heads alone)")
-    node_budget: str | None = option(NODE_BUDGET_HELP)
-    draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
-
-    def __post_init__(self) -> None:
-        check_node_budget(self.node_budget)
-        check_draft_dtype(self.draft_dtype)
-        if self.lookup is not None and self.lookup < 0:
-            raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
-                             f"off), got {self.lookup}")
-        if self.heads is not None and not Path(self.heads).is_dir():  # before any model loads
-            if not looks_like_repo_id(self.heads):
-                raise ValueError(f"heads folder {self.heads} does not exist; pass the final/ folder of a training run "
-                                 "or a Hub repo id (ORG/NAME)")
-            resolve_heads(self.heads)  # fetched (or found in the cache) now, so a bad id fails first
 
 
 def with_heads_options(proposer: Proposer, target: PreTrainedModel, options: HeadsOptions,

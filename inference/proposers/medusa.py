@@ -13,23 +13,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
 from specheads.heads.medusa import KIND_NAME, MedusaHeads
-from specheads.inference.methods import Method, option, register_method
+from specheads.inference.methods.medusa import DEFAULT_TREE, MEDUSA_TREES, MedusaOptions
 from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
+from specheads.inference.proposers.lookup import with_heads_options
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears
 from specheads.trees import (
-    TYPICAL_ACCURACIES,
-    Tree,
-    build_static_tree,
     prune_depth,
     resolve_tree,
     tree_depth,
@@ -37,16 +33,6 @@ from specheads.trees import (
 )
 
 log = logging.getLogger(__name__)
-
-# Named static trees (`--tree NAME`, `medusa:DIR@NAME` in bench); heads store the tree measured in training.
-MEDUSA_TREES: dict[str, Tree] = {
-    "chain-4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
-    "medusa-16": build_static_tree(TYPICAL_ACCURACIES, 16),
-    "medusa-32": build_static_tree(TYPICAL_ACCURACIES, 32),
-    "medusa-63": build_static_tree(TYPICAL_ACCURACIES, 63),
-}
-DEFAULT_TREE = "medusa-16"
-
 
 class MedusaProposer:
     """Drafts a static tree of Medusa heads' top-k tokens; needs the target's hidden states."""
@@ -173,27 +159,9 @@ def load_medusa_proposer(path: str | os.PathLike, target_model: nn.Module, tree:
     return MedusaProposer(heads, paths)
 
 
-@dataclass(frozen=True, kw_only=True)
-class MedusaOptions(HeadsOptions):
-    tree: str | None = option(f"preset ({', '.join(MEDUSA_TREES)}) or a YAML/JSON file of paths (default: the "
-                              f"tree stored with the heads, else {DEFAULT_TREE})")
-    depth: int | None = option("prune the tree to this many levels")
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.tree is not None:
-            resolve_tree(self.tree, MEDUSA_TREES)  # a bad name or file fails before anything loads
-        if self.depth is not None and self.depth < 1:
-            raise ValueError(f"the medusa tree depth must be >= 1, got {self.depth}")
-
-
-def _build(target, options: MedusaOptions, load_draft) -> Proposer:
+def build(target, options: MedusaOptions, load_draft) -> Proposer:
+    """The `medusa` method's proposer (`specheads.inference.methods.medusa`)."""
     proposer = load_medusa_proposer(options.heads, target, tree=options.tree, max_depth=options.depth)
     if options.draft_dtype == "int8":
         quantize_linears(proposer.heads)  # the heads' own copies: a shared LM head stays as it is in the target
     return with_heads_options(proposer, target, options)
-
-
-register_method(Method(
-    name=KIND_NAME, summary="Medusa heads drafting a static top-k tree, prompt lookup grafted on",
-    options=MedusaOptions, build=_build, arg="heads", arg_hint="DIR", trees=MEDUSA_TREES,
-))

@@ -10,30 +10,16 @@ for an empty guess.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from specheads.inference.methods import Method, option, register_method
-from specheads.inference.node_budget import NODE_BUDGET_HELP, check_node_budget, node_budget, with_node_budget
+from specheads.inference.methods.ngram import NgramOptions
+from specheads.inference.methods.options import NgramConfig
+from specheads.inference.node_budget import node_budget, with_node_budget
 from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    max_ngram: int = 3
-    min_ngram: int = 2  # 1-gram matches are mostly noise: their verify costs more than they win
-    num_candidates: int = 3  # continuations merged into the tree
-    depth: int = 5  # tokens per continuation
-    max_nodes: int = 12  # draft nodes per tree (root excluded); bounds the verify cost
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
-        if self.num_candidates < 1 or self.depth < 1 or self.max_nodes < 1:
-            raise ValueError("num_candidates, depth and max_nodes must all be >= 1")
 
 
 def find_matches(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> list[tuple[int, list[int]]]:
@@ -123,23 +109,8 @@ class NgramProposer:
         self._proposed = []  # observed once: the engine may verify plain steps without asking for a draft
 
 
-@dataclass(frozen=True)
-class NgramOptions:
-    depth: int | None = option("tokens per continuation (default 5)")
-    width: int | None = option("continuations merged into the tree (default 3)")
-    node_budget: str | None = option(NODE_BUDGET_HELP)
-
-    def __post_init__(self) -> None:
-        check_node_budget(self.node_budget)
-
-
-def _build(target, options: NgramOptions, load_draft) -> Proposer:
+def build(target, options: NgramOptions, load_draft) -> Proposer:
+    """The `ngram` method's proposer (`specheads.inference.methods.ngram`)."""
     given = {"depth": options.depth, "num_candidates": options.width}
     proposer = NgramProposer(replace(NgramConfig(), **{k: v for k, v in given.items() if v is not None}))
     return with_node_budget(proposer, node_budget(target, options.node_budget))
-
-
-register_method(Method(
-    name="ngram", summary="prompt lookup: continuations of the context's last n-gram, verified as one tree",
-    options=NgramOptions, build=_build,
-))

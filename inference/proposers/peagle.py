@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from specheads.heads.peagle import KIND_NAME, PEagleHead
-from specheads.inference.methods import Method, register_method
-from specheads.inference.proposers.base import ProposalContext
+from specheads.inference.methods.tree_options import TreeOptions
+from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.block_tree import block_tree
 from specheads.inference.proposers.fused_tree import (
     FusedTreeProposer,
@@ -24,7 +24,6 @@ from specheads.inference.proposers.fused_tree import (
     score_rows,
     tree_proposer,
 )
-from specheads.inference.proposers.tree_options import TREES, TreeOptions
 from specheads.inference.tree import DraftTree
 
 
@@ -41,9 +40,6 @@ class PEagleProposer(FusedTreeProposer):
                 for b, (p, c, d) in enumerate(zip(rows, ctxs, depths))]
 
 
-register_method(Method(
-    name=KIND_NAME, summary="P-EAGLE heads drafting a block per forward, expanded into a tree, prompt lookup grafted on",
-    options=TreeOptions,
-    build=lambda target, options, load_draft: tree_proposer(target, options, KIND_NAME, HeadVocabulary, PEagleProposer),
-    arg="heads", arg_hint="DIR", trees=TREES,
-))
+def build(target, options: TreeOptions, load_draft) -> Proposer:
+    """The `peagle` method's proposer (`specheads.inference.methods.peagle`)."""
+    return tree_proposer(target, options, KIND_NAME, HeadVocabulary, PEagleProposer)

@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from specheads.formats.engines import FORMATS, HF_FORMAT
 from specheads.heads.checkpoint import Checkpoint, TargetInfo
 from specheads.registry import Registry
 
@@ -77,13 +78,14 @@ class Importer:
     read: Callable[[Path, Mapping[str, Any], dict[str, torch.Tensor], int | None], Checkpoint]
 
 
-HF_FORMAT = "hf"  # our own format plus a model card: every kind exports to it (`specheads.formats.export`)
-
-EXPORTERS: Registry[Exporter] = Registry("export format", builtins="specheads.formats")
-IMPORTERS: Registry[Importer] = Registry("checkpoint layout", builtins="specheads.formats")
+EXPORTERS: Registry[Exporter] = Registry("export format", builtins="specheads.formats.builtin")
+IMPORTERS: Registry[Importer] = Registry("checkpoint layout", builtins="specheads.formats.builtin")
 
 
 def register_exporter(exporter: Exporter) -> Exporter:
+    if exporter.format not in FORMATS or exporter.format == HF_FORMAT:
+        raise ValueError(f"export format {exporter.format!r} is not declared; add it, with what loads it, to "
+                         "specheads.formats.engines.FORMATS (hf is written for every kind already)")
     return EXPORTERS.register(f"{exporter.format}/{exporter.kind}", exporter)
 
 

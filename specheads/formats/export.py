@@ -15,8 +15,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specheads.formats.base import HF_FORMAT, ExportContext, exporter_for
+from specheads.formats.base import ExportContext, exporter_for
 from specheads.formats.card import model_card
+from specheads.formats.engines import HF_FORMAT
 from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, read_checkpoint
 from specheads.target import DEFAULT_TARGET_ALIASES, DEFAULT_TARGET_HUB_ID, resolve_target
 

@@ -15,9 +15,10 @@ import specheads.inference.engine as engine_mod
 import specheads.target
 from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.heads.medusa import MedusaConfig, MedusaHeads
-from specheads.inference.bench import Record, build_runners, measure, parse_methods, run_bench, summarize
+from specheads.inference.bench import Record, build_runners, measure, run_bench, summarize
 from specheads.inference.cli import main
 from specheads.inference.engine import Engine
+from specheads.inference.method_spec import parse_methods
 from specheads.inference.methods import METHODS
 from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, vocab_size
 from specheads.inference.sampling import SamplingParams

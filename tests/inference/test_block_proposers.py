@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specheads.inference import Engine
+from specheads.inference.methods.tree_options import TreeConfig
 from specheads.inference.proposers.block_tree import block_tree
-from specheads.inference.proposers.tree_options import TreeConfig
 from tests.conftest import repetitive_prompt, tiny_model
 from tests.drafters import proposer_for, save_case
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specheads.inference.cli import main
+from specheads.inference.cli import COMMANDS, main
+from tests.cli_help import help_without_torch
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w8 w5 w6", "w9 w10"]},
@@ -183,33 +184,36 @@ def test_specheads_train_forwards_to_the_recipe():
 
 
 CLI_DIR = Path(__file__).resolve().parents[2] / "inference" / "cli"
-NO_TORCH = """
+@pytest.mark.parametrize("command", [None, *(name for name in COMMANDS if name != "train")])
+def test_every_help_answers_without_importing_torch(command):
+    done = help_without_torch(sys.executable, ["--help"] if command is None else [command, "--help"])
+    assert done["code"] == 0 and not done["torch"] and not done["transformers"], done
+    if command is None:
+        for name, cmd in COMMANDS.items():
+            assert name in done["help"] and cmd.HELP[:40] in " ".join(done["help"].split())
+    else:
+        assert done["help"].startswith(f"usage: specheads {command}"), done["help"][:200]
+
+
+TRAIN_HELP = """
 import contextlib, io, json, sys
-from specheads.inference.cli import main
-out = io.StringIO()
-with contextlib.redirect_stdout(out):
-    try:
-        main({argv!r})
-    except SystemExit as stop:
-        code = stop.code
-print(json.dumps({{"code": code, "help": out.getvalue(), "torch": "torch" in sys.modules,
-                  "transformers": "transformers" in sys.modules}}))
+from specheads.train.__main__ import main
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    code = main(["--help"])
+print(json.dumps({"code": code, "help": err.getvalue(), "torch": "torch" in sys.modules}))
 """
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["loadtest", "--help"]])
-def test_help_lists_every_subcommand_without_importing_torch(argv):
-    from specheads.inference.cli import COMMANDS
-
-    proc = subprocess.run([sys.executable, "-c", NO_TORCH.format(argv=argv)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+def test_train_help_answers_without_importing_torch_and_recipes_are_listed_on_request():
+    proc = subprocess.run([sys.executable, "-c", TRAIN_HELP], capture_output=True, text=True)
     done = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert done["code"] == 0 and not done["torch"] and not done["transformers"], done
-    if argv == ["--help"]:
-        for name, command in COMMANDS.items():
-            assert name in done["help"] and command.HELP[:40] in " ".join(done["help"].split())
-    else:
-        assert done["help"].startswith("usage: specheads loadtest") and "--per-category" in done["help"]
+    assert done["code"] == 0 and not done["torch"] and "--recipes" in done["help"], done
+    from specheads.train.objective import OBJECTIVES
+
+    listed = subprocess.run([sys.executable, "-m", "specheads.train", "--recipes"], capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split(":")[0] for line in listed.stdout.splitlines()] == sorted(OBJECTIVES.names())
 
 
 def _flags_declared(path: Path) -> list[str]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specheads.inference.methods.tree_options import TreeConfig
 from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.proposers.eagle import EagleProposer
-from specheads.inference.proposers.tree_options import TreeConfig
 from specheads.inference.sampling import SamplingParams
 from specheads.inference.tree import DraftTree
 from specheads.inference.verifier import VerifyResult

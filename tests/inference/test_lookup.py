@@ -8,7 +8,7 @@ import torch
 
 from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.inference import Engine
-from specheads.inference.bench import parse_methods
+from specheads.inference.method_spec import parse_methods
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.node_budget import WithNodeBudget
 from specheads.inference.proposers import AutoregressiveProposer

@@ -127,7 +127,8 @@ def test_bad_parallel_settings_are_named(tmp_path):
 
 
 def test_hf_assisted_refuses_a_parallel_drafter_by_name(tmp_path):
-    from specheads.inference.bench import build_runners, parse_methods
+    from specheads.inference.bench import build_runners
+    from specheads.inference.method_spec import parse_methods
 
     target = tiny_model("llama")
     folder = saved_parallel_drafter(target, tmp_path / "parallel")

@@ -308,3 +308,14 @@ def test_speculative_tokens_of_block_drafters_are_honoured_up_to_the_block_and_r
     assert not (tmp_path / "more").exists()
     if kind == "peagle":  # the recorded block is the imported one
         assert load_drafter(tmp_path / "fewer", target, kind=kind).config.num_depths == 2
+
+
+def test_every_declared_format_is_written_for_some_kind_and_an_undeclared_one_is_refused():
+    from specheads.formats.base import Exporter, register_exporter
+    from specheads.formats.engines import FORMATS, HF_FORMAT
+
+    written = {e.format for _, e in EXPORTERS.items()}
+    assert written == set(FORMATS) - {HF_FORMAT}
+    with pytest.raises(ValueError, match="'tflite' is not declared; add it.*FORMATS"):
+        register_exporter(Exporter("tflite", "eagle3", "nothing", write=lambda ckpt, folder, ctx: []))
+    assert "tflite/eagle3" not in EXPORTERS

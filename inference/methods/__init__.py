@@ -1,37 +1,37 @@
 """Decoding methods by name: the one table that `--method`, bench method specs and their options come from.
 
-Each proposer module registers its `Method` (see `proposers/__init__.py` for the built-in ones); a
-drafter kind's method carries the kind's name. A method declares its options as a frozen dataclass
-whose fields document themselves (`option(help)`), so the command line's flags, their help and the
-check that a flag applies to the chosen method are all derived from the registered options.
+A method is declared in its own module of this package (`builtin.py` imports the built-in ones) and built by
+the proposer module its `build` names, imported only when a proposer is made: declaring methods, listing them
+and checking their options import no torch, so every command's `--help` answers at once. A drafter kind's
+method carries the kind's name. A method declares its options as a frozen dataclass whose fields document
+themselves (`option(help)`), so the command line's flags, their help and the check that a flag applies to
+the chosen method are all derived from the registered options.
 """
 
 from __future__ import annotations
 
+import importlib
+import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedModel
-
+from specheads.inference.methods.options import NoOptions, option
 from specheads.registry import Registry
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from specheads.inference.proposers.base import Proposer
 
 # Loads a draft model and checks it shares the target's vocabulary; injected so no method needs target I/O.
-DraftLoader = Callable[[str], PreTrainedModel]
+DraftLoader = Callable[[str], "PreTrainedModel"]
+# (target, options, load_draft) -> proposer
+Build = Callable[["PreTrainedModel", Any, "DraftLoader | None"], "Proposer"]
 
-
-def option(help: str, default: Any = None) -> Any:
-    """A method option: a dataclass field whose help text documents its command-line flag."""
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """The options of a method that takes none."""
+__all__ = ["METHODS", "DraftLoader", "Method", "NoOptions", "OptionFlag", "flag", "make_proposer", "method_label",
+           "option", "option_flags", "register_method"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,9 @@ class Method:
     name: str  # `--method NAME`; a drafter kind's method carries the kind's name
     summary: str  # one line for help texts
     options: type  # frozen dataclass of the method's options (fields made with `option`), validated on construction
-    build: Callable[[PreTrainedModel, Any, DraftLoader | None], Proposer]  # (target, options, load_draft) -> proposer
+    # "module:function" of the `Build` that makes the proposer, imported on first use (so declaring a method
+    # imports no torch), or the function itself
+    build: str | Build
     arg: str | None = None  # the option a bench spec `NAME:ARG` fills; required when set
     arg_hint: str = "PATH"  # how to write that argument, for messages and help
     trees: Mapping[str, Any] = field(default_factory=dict)  # named trees of the `tree` option (bench's NAME:ARG@TREE)
@@ -49,6 +51,15 @@ class Method:
             raise TypeError(f"method {self.name!r}: options must be a dataclass, got {self.options!r}")
         if self.arg is not None and not self.takes(self.arg):
             raise TypeError(f"method {self.name!r}: arg {self.arg!r} is not one of its options")
+        if isinstance(self.build, str) and not re.fullmatch(r"[\w.]+:\w+", self.build):
+            raise TypeError(f"method {self.name!r}: build must be 'package.module:function', got {self.build!r}")
+
+    def builder(self) -> Build:
+        """The function that builds this method's proposer (its module imported now, if named by a string)."""
+        if not isinstance(self.build, str):
+            return self.build
+        module, _, name = self.build.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def takes(self, name: str) -> bool:
         return any(f.name == name for f in fields(self.options))
@@ -80,7 +91,7 @@ class Method:
                                   **({"node_budget": "fixed"} if self.takes("node_budget") else {})})
 
 
-METHODS: Registry[Method] = Registry("method", builtins="specheads.inference.proposers")
+METHODS: Registry[Method] = Registry("method", builtins="specheads.inference.methods.builtin")
 
 
 def register_method(method: Method) -> Method:
@@ -127,7 +138,7 @@ def make_proposer(method: str, target: PreTrainedModel, options: Any, load_draft
     spec = METHODS.get(method)
     if not isinstance(options, spec.options):
         raise TypeError(f"method {method!r} takes {spec.options.__name__}, got {type(options).__name__}")
-    return spec.build(target, options, load_draft)
+    return spec.builder()(target, options, load_draft)
 
 
 def method_label(method: str, options: Any) -> str:
@@ -135,3 +146,7 @@ def method_label(method: str, options: Any) -> str:
     calibration was measured with."""
     given = [f"{f.name}={getattr(options, f.name)}" for f in fields(options) if getattr(options, f.name) is not None]
     return "+".join([method, *given])
+
+
+# The built-in methods register last, in builtin.py's order, whichever method module is imported first.
+from specheads.inference.methods import builtin  # noqa: E402, F401

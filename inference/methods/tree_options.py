@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specheads.inference.methods import option
-from specheads.inference.proposers.lookup import HeadsOptions
+from specheads.inference.methods.options import HeadsOptions, option
 
 
 @dataclass(frozen=True)
