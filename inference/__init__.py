@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING
 from specheads.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from specheads.inference.engine import Engine, GenerationResult
-    from specheads.inference.sampling import SamplingParams
-    from specheads.inference.stats import GenerationStats
-    from specheads.inference.tree import DraftTree
-    from specheads.inference.verifier import VerifyResult, verify
+    from specheads.inference.engine.engine import Engine, GenerationResult
+    from specheads.inference.engine.sampling import SamplingParams
+    from specheads.inference.engine.stats import GenerationStats
+    from specheads.inference.engine.tree import DraftTree
+    from specheads.inference.engine.verifier import VerifyResult, verify
 
 _WHERE = {
-    "DraftTree": "tree",
-    "Engine": "engine",
-    "GenerationResult": "engine",
-    "GenerationStats": "stats",
-    "SamplingParams": "sampling",
-    "VerifyResult": "verifier",
-    "verify": "verifier",
+    "DraftTree": "specheads.inference.engine.tree",
+    "Engine": "specheads.inference.engine.engine",
+    "GenerationResult": "specheads.inference.engine.engine",
+    "GenerationStats": "specheads.inference.engine.stats",
+    "SamplingParams": "specheads.inference.engine.sampling",
+    "VerifyResult": "specheads.inference.engine.verifier",
+    "verify": "specheads.inference.engine.verifier",
 }
 
 __all__ = ["DraftTree", "Engine", "GenerationResult", "GenerationStats", "SamplingParams", "VerifyResult", "verify"]

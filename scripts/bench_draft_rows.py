@@ -14,8 +14,8 @@ import statistics
 import time
 from unittest import mock
 
-import specheads.inference.engine as engine_module
-from specheads.inference.engine import Engine
+import specheads.inference.engine.engine as engine_module
+from specheads.inference.engine.engine import Engine
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.questions import load_questions
 from specheads.target import load_target, render_chat

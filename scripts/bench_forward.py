@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from specheads.inference.cache import TreeKVCache, cache_kwargs
-from specheads.inference.engine import tree_forward
-from specheads.inference.tree import DraftTree
+from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.engine import tree_forward
+from specheads.inference.engine.tree import DraftTree
 from specheads.target import load_target
 
 

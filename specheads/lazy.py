@@ -13,13 +13,13 @@ from typing import Any
 
 
 def lazy_attributes(package: str, where: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """`__getattr__` and `__dir__` for `package`: each name in `where` (name -> submodule) is imported from
-    `package.submodule` on first use and kept in the package's namespace."""
+    """`__getattr__` and `__dir__` for `package`: each name in `where` (name -> the module defining it) is
+    imported on first use and kept in the package's namespace."""
 
     def __getattr__(name: str) -> Any:
         if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+        value = getattr(importlib.import_module(where[name]), name)
         setattr(sys.modules[package], name, value)
         return value
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from specheads.inference.verify_cost import VerifyCost
+from specheads.inference.proposers.verify_cost import VerifyCost
 
 TINY_VOCAB = 96
 
@@ -69,8 +69,8 @@ def random_eagle_head(target: torch.nn.Module, aux_layers: tuple[int, ...] = (1,
 
 def start_proposer(proposer, target: torch.nn.Module, prompt: list[int], max_depth: int = 8):
     """Start `proposer` on `prompt` as the engine does after the prefill; returns the ProposalContext."""
-    from specheads.inference.proposers.base import ProposalContext
-    from specheads.inference.sampling import SamplingParams
+    from specheads.inference.engine.proposer import ProposalContext
+    from specheads.inference.engine.sampling import SamplingParams
 
     tokens = torch.tensor(prompt)
     ctx = ProposalContext(tokens=tokens, num_prompt_tokens=len(prompt), max_depth=max_depth,
@@ -85,8 +85,8 @@ def start_proposer(proposer, target: torch.nn.Module, prompt: list[int], max_dep
 def _verify_cost_cache(tmp_path_factory, monkeypatch):
     """Node budgets in tests decide on one fixed, mildly rising verify-cost curve, cached in a temporary folder
     (never the user's): a curve measured on a busy machine could make a test draft nothing. Measuring itself is
-    tested in tests/inference/test_node_budget.py (`measure_verify_cost`)."""
-    import specheads.inference.verify_cost as verify_cost
+    tested in tests/inference/proposers/test_node_budget.py (`measure_verify_cost`)."""
+    import specheads.inference.proposers.verify_cost as verify_cost
 
     folder = tmp_path_factory.getbasetemp() / "verify-cost"
     monkeypatch.setattr(verify_cost, "default_cache_dir", lambda: folder)

@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 from torch import nn
 
-import specheads.inference.engine as engine_mod
+import specheads.inference.engine.engine as engine_mod
 from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, load_drafter, save_drafter
 from specheads.inference import Engine, SamplingParams
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.proposers import AutoregressiveProposer, Proposer
-from specheads.inference.verifier import VerifyResult
 from tests.conftest import random_eagle_head, repetitive_prompt, tiny_model
 
 

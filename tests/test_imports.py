@@ -32,6 +32,40 @@ def test_inference_never_imports_train():
     assert not bad, bad
 
 
+# The layers of `specheads.inference`, lowest first: each imports only the layers before it (and itself); the
+# serving and benchmarking layers are side by side and import neither each other nor the command line.
+LAYERS = (("engine",), ("methods",), ("proposers",), ("serve", "bench"), ("cli",))
+
+
+def layer_violations(found: set[tuple[str, str]]) -> list[tuple[str, str]]:
+    rank = {name: i for i, names in enumerate(LAYERS) for name in names}
+    bad = []
+    for file, module in found:
+        parts = Path(file).parts
+        if parts[0] != "inference" or len(parts) < 3 or not module.startswith("specheads.inference."):
+            continue
+        own, used = parts[1], module.split(".")[2]
+        if used in rank and own in rank and used != own and rank[used] >= rank[own]:
+            bad.append((file, module))
+    return bad
+
+
+def test_each_inference_layer_imports_only_the_layers_below_it():
+    """The engine depends on no other layer; proposers on the engine and the method declarations; serving and
+    benchmarking on those; the command line on everything."""
+    bad = layer_violations(imported_modules(ROOT / "inference"))
+    assert not bad, bad
+
+
+def test_the_layer_check_sees_violations():
+    # Guard against a vacuous pass: an engine file importing a proposer, and serving importing bench, are flagged.
+    flagged = set(layer_violations({("inference/engine/engine.py", "specheads.inference.proposers.eagle"),
+                                    ("inference/serve/server.py", "specheads.inference.bench.runner"),
+                                    ("inference/proposers/eagle.py", "specheads.inference.engine.tree")}))
+    assert flagged == {("inference/engine/engine.py", "specheads.inference.proposers.eagle"),
+                       ("inference/serve/server.py", "specheads.inference.bench.runner")}
+
+
 def test_the_check_sees_imports():
     # Guard against a vacuous pass: the inference package does import the core.
     assert any(m.startswith("specheads.") for _, m in imported_modules(ROOT / "inference"))

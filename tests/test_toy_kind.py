@@ -9,8 +9,8 @@ import json
 import pytest
 
 from specheads.inference import Engine
+from specheads.inference.bench.method_spec import parse_methods
 from specheads.inference.cli import build_parser
-from specheads.inference.method_spec import parse_methods
 from specheads.inference.methods import METHODS, option_flags
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.kinds import KINDS

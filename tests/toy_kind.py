@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
+from specheads.inference.engine.proposer import ProposalContext
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods import METHODS, Method
-from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.proposers.lookup import HeadsOptions, with_heads_options
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
 from specheads.kinds import KINDS, DrafterKind
 from specheads.train.features import batch_features
 from specheads.train.objective import OBJECTIVES, Objective

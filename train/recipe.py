@@ -26,7 +26,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from specheads.gemm_layout import cpu_has_native_bf16
 from specheads.heads.checkpoint import read_checkpoint
-from specheads.inference.bench import measure
+from specheads.inference.bench.runner import measure
 from specheads.inference.methods import METHODS
 from specheads.target import load_target, stop_token_ids
 from specheads.token_classes import token_classes

@@ -1,4 +1,4 @@
-"""`specheads bench`: several methods over the same questions in one process (`specheads.inference.bench_run`)."""
+"""`specheads bench`: several methods over the same questions in one process (`specheads.inference.bench.run`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DESCRIPTION = ("Run several methods over the same questions in one process, inte
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specheads.inference.method_spec import BASELINES
+    from specheads.inference.bench.method_spec import BASELINES
     from specheads.inference.methods import METHODS
 
     shared.add_target(p)
@@ -46,10 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from specheads.inference import bench_run
-    from specheads.inference.bench import build_runners
-    from specheads.inference.method_spec import parse_methods
-    from specheads.inference.sampling import SamplingParams
+    from specheads.inference.bench import run as bench_run
+    from specheads.inference.bench.method_spec import parse_methods
+    from specheads.inference.bench.runner import build_runners
+    from specheads.inference.engine.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, stop_token_ids
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _print_report(done) -> None:
-    from specheads.inference import bench_report
+    from specheads.inference.bench import report as bench_report
 
     print(bench_report.markdown_table(done.report.overall))
     print()

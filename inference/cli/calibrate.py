@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from specheads.inference.calibrate import calibrate
-    from specheads.inference.verify_cost import prepare_verify_costs
+    from specheads.inference.proposers.verify_cost import prepare_verify_costs
+    from specheads.inference.serve.calibrate import calibrate
     from specheads.questions import load_questions
     from specheads.target import render_chat
 

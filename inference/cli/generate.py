@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> None:
     # Heavy imports after argument parsing, so `--help` and usage errors are instant.
     from tqdm import tqdm
 
-    from specheads.inference.answers import answer, answer_row
-    from specheads.inference.engine import Engine
-    from specheads.inference.sampling import SamplingParams
+    from specheads.inference.engine.answers import answer, answer_row
+    from specheads.inference.engine.engine import Engine
+    from specheads.inference.engine.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import parse_device, stop_token_ids
 

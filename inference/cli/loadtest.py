@@ -1,4 +1,4 @@
-"""`specheads loadtest`: the same greedy requests against running servers (`specheads.inference.loadtest`)."""
+"""`specheads loadtest`: the same greedy requests against running servers (`specheads.inference.serve.loadtest`)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from specheads.inference.loadtest import loadtest, mismatches, save_results
+    from specheads.inference.serve.loadtest import loadtest, mismatches, save_results
     from specheads.questions import load_questions
 
     servers = [_server(item) for item in args.server]

@@ -1,4 +1,4 @@
-"""`specheads serve`: the OpenAI-compatible server (`specheads.inference.serve_main`)."""
+"""`specheads serve`: the OpenAI-compatible server (`specheads.inference.serve.launch`)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from specheads.inference.serve_main import serve, serving_engine, speculation_mode
-    from specheads.inference.server import ServerSettings
-    from specheads.inference.service import ServiceLimits
+    from specheads.inference.serve.launch import serve, serving_engine, speculation_mode
+    from specheads.inference.serve.server import ServerSettings
+    from specheads.inference.serve.service import ServiceLimits
     from specheads.target import stop_token_ids
 
     options = shared.method_options(args)  # checked before anything loads

@@ -23,7 +23,7 @@ from specheads.registry import Registry
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from specheads.inference.proposers.base import Proposer
+    from specheads.inference.engine.proposer import Proposer
 
 # Loads a draft model and checks it shares the target's vocabulary; injected so no method needs target I/O.
 DraftLoader = Callable[[str], "PreTrainedModel"]

@@ -7,5 +7,5 @@ from specheads.inference.methods.options import NoOptions
 
 METHOD = register_method(Method(
     name="ar", summary="plain autoregressive decoding in the same engine (the baseline speculation is measured against)",
-    options=NoOptions, build="specheads.inference.proposers.base:build_autoregressive",
+    options=NoOptions, build="specheads.inference.engine.proposer:build_autoregressive",
 ))

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from specheads.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from specheads.inference.proposers.base import AutoregressiveProposer, ProposalContext, Proposer
+    from specheads.inference.engine.proposer import AutoregressiveProposer, ProposalContext, Proposer
 
 __all__ = ["AutoregressiveProposer", "ProposalContext", "Proposer"]
 
-__getattr__, __dir__ = lazy_attributes(__name__, dict.fromkeys(__all__, "base"))
+__getattr__, __dir__ = lazy_attributes(__name__, dict.fromkeys(__all__, "specheads.inference.engine.proposer"))

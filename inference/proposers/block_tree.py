@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from specheads.inference.engine.tree import DraftTree
 from specheads.inference.methods.tree_options import TreeConfig
-from specheads.inference.tree import DraftTree
 
 
 def block_tree(config: TreeConfig, root: int, logp: torch.Tensor,

@@ -19,13 +19,13 @@ import torch
 
 from specheads.heads.checkpoint import load_drafter
 from specheads.heads.dflash import KIND_NAME, KV, DFlashHead
+from specheads.inference.engine.proposer import ProposalContext, Proposer
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.tree_options import TreeConfig, TreeOptions, tree_config
-from specheads.inference.node_budget import node_budget
-from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.block_tree import block_tree
 from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
+from specheads.inference.proposers.node_budget import node_budget
 from specheads.int8 import quantize_linears
 
 

@@ -19,17 +19,17 @@ import re
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from specheads.inference.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.proposer import ProposalContext
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods import DraftLoader
 from specheads.inference.methods.draft import EARLY_EXIT, DraftConfig, DraftOptions
-from specheads.inference.proposers.base import ProposalContext
 from specheads.inference.proposers.parallel_draft import (
     ParallelDraftProposer,
     check_parallel_vocabulary,
     parallel_spec,
 )
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears
 
 

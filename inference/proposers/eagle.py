@@ -8,8 +8,8 @@ greedy and sampling alike (the verifier treats each draft as one-hot).
 from __future__ import annotations
 
 from specheads.heads.eagle import KIND_NAME
+from specheads.inference.engine.proposer import Proposer
 from specheads.inference.methods.tree_options import TreeOptions, named_tree
-from specheads.inference.proposers.base import Proposer
 from specheads.inference.proposers.fused_tree import FusedTreeProposer, tree_proposer
 
 EagleProposer = FusedTreeProposer  # EAGLE heads draft with the fused-head tree search as it is

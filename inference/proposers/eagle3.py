@@ -9,8 +9,8 @@ verification is exact.
 from __future__ import annotations
 
 from specheads.heads.eagle3 import KIND_NAME
+from specheads.inference.engine.proposer import Proposer
 from specheads.inference.methods.tree_options import TreeOptions
-from specheads.inference.proposers.base import Proposer
 from specheads.inference.proposers.fused_tree import HeadVocabulary, tree_proposer
 
 

@@ -33,14 +33,14 @@ import torch
 from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
-from specheads.inference.batch_cache import BatchKVCache, additive_mask
-from specheads.inference.context_vocab import ContextVocabulary
+from specheads.inference.engine.batch_cache import BatchKVCache, additive_mask
+from specheads.inference.engine.proposer import ProposalContext, Proposer
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.tree_options import TreeConfig, TreeOptions, named_tree, tree_config
-from specheads.inference.node_budget import node_budget
-from specheads.inference.proposers.base import ProposalContext, Proposer
+from specheads.inference.proposers.context_vocab import ContextVocabulary
 from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
+from specheads.inference.proposers.node_budget import node_budget
 from specheads.int8 import quantize_linears
 
 

@@ -20,12 +20,12 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
+from specheads.inference.engine.proposer import ProposalContext, Proposer, finish, fork, propose_rows
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.options import DEFAULT_LOOKUP, HeadsOptions, NgramConfig
-from specheads.inference.node_budget import NodeBudget, node_budget, with_node_budget
-from specheads.inference.proposers.base import ProposalContext, Proposer, finish, fork, propose_rows
 from specheads.inference.proposers.ngram import NgramProposer
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
+from specheads.inference.proposers.node_budget import NodeBudget, node_budget, with_node_budget
 
 
 class WithPromptLookup:

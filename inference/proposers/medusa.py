@@ -19,11 +19,11 @@ from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
 from specheads.heads.medusa import KIND_NAME, MedusaHeads
+from specheads.inference.engine.proposer import ProposalContext, Proposer
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.medusa import DEFAULT_TREE, MEDUSA_TREES, MedusaOptions
-from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
 from specheads.int8 import quantize_linears
 from specheads.trees import (
     prune_depth,

@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import torch
 
+from specheads.inference.engine.proposer import ProposalContext, Proposer
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.ngram import NgramOptions
 from specheads.inference.methods.options import NgramConfig
-from specheads.inference.node_budget import node_budget, with_node_budget
-from specheads.inference.proposers.base import ProposalContext, Proposer
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
+from specheads.inference.proposers.node_budget import node_budget, with_node_budget
 
 
 def find_matches(tokens: torch.Tensor, cfg: NgramConfig, depth: int) -> list[tuple[int, list[int]]]:

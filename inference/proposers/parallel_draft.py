@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.cache import TreeKVCache, cache_kwargs
-from specheads.inference.proposers.base import ProposalContext
-from specheads.inference.tree import DraftTree
-from specheads.inference.verifier import VerifyResult
+from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.proposer import ProposalContext
+from specheads.inference.engine.tree import DraftTree
+from specheads.inference.engine.verifier import VerifyResult
 
 CONFIG_KEY = "specheads_parallel"  # in the draft model's config.json
 

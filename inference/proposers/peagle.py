@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from specheads.heads.peagle import KIND_NAME, PEagleHead
+from specheads.inference.engine.proposer import ProposalContext, Proposer
+from specheads.inference.engine.tree import DraftTree
 from specheads.inference.methods.tree_options import TreeOptions
-from specheads.inference.proposers.base import ProposalContext, Proposer
 from specheads.inference.proposers.block_tree import block_tree
 from specheads.inference.proposers.fused_tree import (
     FusedTreeProposer,
@@ -24,7 +25,6 @@ from specheads.inference.proposers.fused_tree import (
     score_rows,
     tree_proposer,
 )
-from specheads.inference.tree import DraftTree
 
 
 class PEagleProposer(FusedTreeProposer):

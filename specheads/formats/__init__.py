@@ -23,4 +23,4 @@ if TYPE_CHECKING:
 
 __all__ = ["EXPORTERS", "IMPORTERS", "ExportContext", "export_formats", "exporter_for", "import_folder"]
 
-__getattr__, __dir__ = lazy_attributes(__name__, dict.fromkeys(__all__, "base"))
+__getattr__, __dir__ = lazy_attributes(__name__, dict.fromkeys(__all__, "specheads.formats.base"))

@@ -1,0 +1,313 @@
+"""Methods side by side on the same questions, interleaved per question so machine drift hits all alike.
+
+Which methods run is a list of method specs (`specheads.inference.bench.method_spec`): engine methods and the
+transformers baselines. Every method answers the same rendered prompt; on a second turn each method sees
+its own first answer. For greedy runs each output is compared with `ar`'s (the exactness check).
+
+Running lives here; tables, files, plots and W&B live in `bench_report.py`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
+
+from specheads.inference.bench.diagnosis import RejectionLog
+from specheads.inference.bench.method_spec import PLD_TOKENS, MethodSpec
+from specheads.inference.engine.engine import Engine
+from specheads.inference.engine.proposer import Proposer
+from specheads.inference.engine.sampling import SamplingParams
+from specheads.inference.engine.stats import GenerationStats
+from specheads.inference.methods import DraftLoader, make_proposer
+from specheads.inference.proposers.parallel_draft import parallel_spec
+from specheads.questions import Question
+from specheads.target import render_chat
+
+
+class Runner(Protocol):
+    """One method behind one call; `measures_tau` is False where the steps are not visible (HF)."""
+
+    measures_tau: bool
+
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]: ...
+
+
+class _EngineRunner:
+    measures_tau = True
+
+    def __init__(self, engine: Engine, log: RejectionLog | None = None) -> None:
+        self.engine = engine
+        self.log = log  # its steps' first rejections (`--diagnose`), or None
+
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
+        res = self.engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                   stop_token_ids=stop_token_ids)
+        return res.output_ids, res.stats
+
+
+class _FirstTokenTimer(BaseStreamer):
+    """HF `generate` pushes the prompt first, then each step's new tokens: the second push is the first token."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.pushes = 0
+        self.ttft_s = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.pushes += 1
+        if self.pushes == 2:
+            self.ttft_s = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+class _HFGenerate:
+    """transformers `generate` (plain, assisted or prompt lookup) as an external baseline, timed like the engine.
+
+    Its steps are hidden inside `generate`, so it reports no τ or acceptance (steps stay 0).
+    """
+
+    measures_tau = False
+
+    def __init__(self, model: PreTrainedModel, *, assistant: PreTrainedModel | None = None,
+                 prompt_lookup_tokens: int | None = None) -> None:
+        self.model = model
+        self.extra: dict = {}
+        if assistant is not None:
+            self.extra["assistant_model"] = assistant
+        if prompt_lookup_tokens is not None:
+            self.extra["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)  # HF samples from the global RNG: seed it with this draw's seed
+        start = time.perf_counter()
+        timer = _FirstTokenTimer(start)
+        ids = torch.tensor([prompt], device=self.model.device)
+        kwargs = dict(do_sample=False) if sampling.greedy else dict(
+            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  eos_token_id=stop_token_ids or None, pad_token_id=(stop_token_ids or [0])[0],
+                                  streamer=timer, **kwargs, **self.extra)
+        new = out[0, len(prompt):].tolist()
+        stats = GenerationStats(new_tokens=len(new), wall_s=time.perf_counter() - start, ttft_s=timer.ttft_s,
+                                finish_reason="stop" if new and new[-1] in stop_token_ids else "length")
+        return new, stats
+
+
+def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader,
+                  diagnose: bool = False) -> dict[str, Runner]:
+    """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
+    `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`)."""
+    runners: dict[str, Runner] = {}
+    for spec in specs:
+        if spec.method == "hf":
+            runners[spec.name] = _HFGenerate(target)
+        elif spec.method == "hf-assisted":
+            assistant = load_draft(spec.arg)
+            if parallel_spec(assistant.config) is not None:
+                raise ValueError(f"hf-assisted:{spec.arg} is a parallel drafter (a placeholder token past the target's "
+                                 f"vocabulary, K tokens per forward), which transformers' assisted generation cannot "
+                                 f"drive; bench it as draft:{spec.arg}")
+            runners[spec.name] = _HFGenerate(target, assistant=assistant)
+        elif spec.method == "hf-pld":
+            runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
+        else:
+            log = RejectionLog() if diagnose else None
+            engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log)
+            runners[spec.name] = _EngineRunner(engine, log)
+    return runners
+
+
+@dataclass
+class Record:
+    question_id: int | str
+    category: str
+    turn: int  # 1-based
+    method: str
+    prompt_ids: list[int]  # the rendered prompt this method answered (its own history on turn 2)
+    output_ids: list[int]
+    stats: GenerationStats
+    measures_tau: bool = True  # False for HF baselines: τ and acceptance are unknown, not 0
+    matches_ar: bool | None = None  # greedy runs only
+    first_mismatch: int | None = None  # first output position that differs from ar's
+    margin_fp32: float | None = None  # there, the target's fp32 logit gap between ar's token and this one (divergence.py)
+
+
+def run_bench(
+    runners: dict[str, Runner],
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_token_ids: list[int],
+    turns: int = 1,
+    warmup: int = 1,
+) -> Iterator[Record]:
+    """Yield one Record per (question, method, turn), methods interleaved within each question.
+
+    1. Run the first `warmup` questions' first turn once per method and discard them (allocator and
+       kernel warm-up, HF's lazy set-up).
+    2. For each question, for each method: answer turn 1; for turn 2 render [user 1, the method's own
+       answer 1, user 2] with the chat template and answer that.
+    With a seed, each (question, turn) draws from its own stream (`SamplingParams.for_draw`), the same for
+    every method.
+    """
+    if turns not in (1, 2):
+        raise ValueError(f"turns must be 1 or 2, got {turns}")
+    if turns == 2 and any(len(q.turns) < 2 for q in questions):
+        raise ValueError("--turns 2 needs two turns per question; the questions file has single-turn questions")
+
+    def gen(name: str, prompt: list[int], q: Question, turn: int) -> tuple[list[int], GenerationStats]:
+        log = getattr(runners[name], "log", None)
+        if log is not None:
+            log.category = q.category
+        # Every method draws with the question's own seed, so methods compare on equal randomness.
+        return runners[name].generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling.for_draw(q.question_id, turn),
+                                      stop_token_ids=stop_token_ids)
+
+    for q in questions[:warmup]:
+        for name in runners:
+            gen(name, render_chat(tokenizer, [q.turns[0]]), q, 1)
+    for runner in runners.values():  # the warm-up is not diagnosed either
+        log = getattr(runner, "log", None)
+        if log is not None:
+            log.clear()
+    for q in questions:
+        for name, runner in runners.items():
+            history: list[str] = []
+            for t in range(turns):
+                prompt = render_chat(tokenizer, q.turns[: t + 1], history)
+                ids, stats = gen(name, prompt, q, t + 1)
+                yield Record(q.question_id, q.category, t + 1, name, prompt, ids, stats, runner.measures_tau)
+                history.append(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def mark_exactness(records: list[Record], reference: str = "ar") -> None:
+    """Set matches_ar / first_mismatch on every record whose (question, turn) also has a `reference` record."""
+    refs = {(r.question_id, r.turn): r for r in records if r.method == reference}
+    for r in records:
+        ref = refs.get((r.question_id, r.turn))
+        if ref is not None:
+            r.first_mismatch = first_mismatch(r.output_ids, ref.output_ids)
+            r.matches_ar = r.first_mismatch is None
+
+
+@dataclass
+class MethodSummary:
+    method: str
+    category: str  # "all", or one question category
+    generations: int  # (question, turn) pairs summarised
+    new_tokens: int
+    wall_s: float
+    tokens_per_s: float  # total new tokens / total wall time
+    speedup_vs_ar: float | None  # median over generations of per-generation (tok/s) ratios
+    speedup_vs_hf: float | None
+    tau: float | None  # mean over generations of each one's τ; None for HF baselines
+    acceptance_rate: float | None  # accepted / drafted over all steps; None when nothing was drafted
+    accept_per_position: list[float] | None  # [i]: share of all steps accepting >= i+1 tokens
+    ttft_s: float | None  # median; None where not measured
+    draft_ms_per_step: float | None = None  # time in the proposer per target forward; None for HF baselines
+    exact_matches: str = ""  # "k/n" outputs equal to ar's, greedy runs only
+
+
+def _summary(method: str, category: str, records: list[Record], methods: list[str]) -> MethodSummary:
+    by_gen: dict[tuple, dict[str, Record]] = {}
+    for r in records:
+        by_gen.setdefault((r.question_id, r.turn), {})[r.method] = r
+    rs = [r for r in records if r.method == method]
+
+    def ratio(base: str) -> float | None:
+        # Per-generation ratios, then the median: robust to a noisy machine and to uneven answer lengths.
+        vals = [per[method].stats.tokens_per_s / per[base].stats.tokens_per_s
+                for per in by_gen.values() if method in per and base in per and per[base].stats.tokens_per_s > 0]
+        return statistics.median(vals) if vals and base in methods else None
+
+    tokens = sum(r.stats.new_tokens for r in rs)
+    wall = sum(r.stats.wall_s for r in rs)
+    timed = [r.stats.ttft_s for r in rs if r.stats.ttft_s > 0]
+    checked = [r for r in rs if r.matches_ar is not None]
+    tau = acceptance = per_position = draft_ms = None
+    if rs and all(r.measures_tau for r in rs):
+        tau = statistics.mean(r.stats.tau for r in rs)
+        drafted = sum(r.stats.drafted for r in rs)
+        acceptance = sum(r.stats.accepted for r in rs) / drafted if drafted else None
+        steps = sum(r.stats.steps for r in rs)
+        depth = max(len(r.stats.accepted_at_least) for r in rs)
+        per_position = [sum(r.stats.accepted_at_least[i] for r in rs if i < len(r.stats.accepted_at_least)) / steps
+                        for i in range(depth)] if steps else []
+        draft_ms = 1000 * sum(r.stats.draft_s for r in rs) / steps if steps else None
+    return MethodSummary(
+        method=method, category=category, generations=len(rs), new_tokens=tokens, wall_s=wall,
+        tokens_per_s=tokens / wall if wall else 0.0, speedup_vs_ar=ratio("ar"), speedup_vs_hf=ratio("hf"),
+        tau=tau, acceptance_rate=acceptance, accept_per_position=per_position,
+        ttft_s=statistics.median(timed) if timed else None, draft_ms_per_step=draft_ms,
+        exact_matches=f"{sum(r.matches_ar for r in checked)}/{len(checked)}" if checked else "",
+    )
+
+
+def summarize(records: list[Record], *, greedy: bool, by_category: bool = False) -> list[MethodSummary]:
+    """One summary per method (category "all"), or per (category, method) with `by_category`.
+
+    For greedy runs the records are first marked against `ar`'s outputs (see `mark_exactness`).
+    """
+    if greedy:
+        mark_exactness(records)
+    methods = list(dict.fromkeys(r.method for r in records))
+    groups: dict[str, list[Record]] = {"all": records}
+    if by_category:
+        groups = {}
+        for r in records:
+            groups.setdefault(r.category, []).append(r)
+    return [_summary(m, cat, rs, methods) for cat, rs in groups.items() for m in methods
+            if any(r.method == m for r in rs)]
+
+
+def measure(
+    target: PreTrainedModel,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    sampling: SamplingParams = SamplingParams(),
+    name: str = "proposer",
+    on_record: Callable[[Record], None] | None = None,
+) -> MethodSummary:
+    """Measured τ of `proposer` on `prompts` (token ids), through the bench's own runner and summary.
+
+    For a training recipe: the returned summary's `tau` (mean over prompts), `acceptance_rate`,
+    `accept_per_position` and `tokens_per_s` are the numbers `specheads bench` would report for
+    the same prompts. Greedy by default; `on_record` sees each prompt's record (e.g. for a progress bar).
+    """
+    runner = _EngineRunner(Engine(target, proposer))
+    records = []
+    for i, prompt in enumerate(prompts):
+        ids, stats = runner.generate(list(prompt), max_new_tokens=max_new_tokens, sampling=sampling.for_draw(i),
+                                     stop_token_ids=list(stop_token_ids))
+        records.append(Record(i, "", 1, name, list(prompt), ids, stats))
+        if on_record is not None:
+            on_record(records[-1])
+    if not records:
+        raise ValueError("measure needs at least one prompt")
+    return summarize(records, greedy=False)[0]

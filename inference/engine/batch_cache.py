@@ -1,0 +1,160 @@
+"""KV cache for a batch of sequences of different lengths, each committed to its own accepted tree path.
+
+Sequences live in rows of preallocated buffers ([rows, kv heads, capacity, head dim] per layer, grown by doubling);
+row r holds `lengths[r]` committed entries. A forward runs over a contiguous range of rows (all running sequences
+for a verify step, one row for a newcomer's prefill) with every row's input padded to the same width W: row r's W
+new entries are written right after its own committed prefix, at [lengths[r], lengths[r] + W), and attention reads
+[0, max(lengths) + W) under a 4-D mask (`batch_tree_mask`) that shows row r's query only its own prefix and its
+own tree ancestors. Slots past a row's length hold stale entries from earlier steps; the mask hides them, and later
+writes overwrite them.
+
+Keeping the running rows contiguous (a finished row's slot is refilled by moving the last row into it: one copy of
+that row's entries) lets every forward read plain views of the buffers, never a gathered copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+from specheads.inference.engine.cache import grown
+from specheads.inference.engine.tree import DraftTree
+
+
+class _RowsLayer(DynamicLayer):
+    def __init__(self, rows: int, capacity: int, owner: BatchKVCache) -> None:
+        super().__init__()
+        self._rows, self._capacity, self._owner = rows, max(capacity, 16), owner
+        self._kbuf: torch.Tensor | None = None  # [R, H, C, D]
+        self._vbuf: torch.Tensor | None = None  # [R, H, C, D]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        _, h, _, d = key_states.shape
+        self._kbuf = key_states.new_zeros(self._rows, h, self._capacity, d)
+        self._vbuf = value_states.new_zeros(self._rows, h, self._capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        first, lengths = self._owner.window_rows, self._owner.lengths
+        width = key_states.shape[2]
+        rows = range(first, first + key_states.shape[0])
+        end = max(lengths[r] for r in rows) + width
+        # every row keeps its entries (the longest prefix bounds them; stale slots past a row's length are masked)
+        self._kbuf, self._vbuf = (grown(buf, end, max(lengths, default=0)) for buf in (self._kbuf, self._vbuf))
+        for i, r in enumerate(rows):  # each row's new entries right after its own prefix
+            self._kbuf[r, :, lengths[r] : lengths[r] + width] = key_states[i]
+            self._vbuf[r, :, lengths[r] : lengths[r] + width] = value_states[i]
+        self.keys = self._kbuf[rows.start : rows.stop, :, :end]
+        self.values = self._vbuf[rows.start : rows.stop, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:  # the longest prefix in the next forward's rows (HF sizes its masks by it)
+        return max(self._owner.window_lengths(), default=0)
+
+    def keep(self, row: int, start: int, index: torch.Tensor) -> None:
+        """Move row `row`'s entries start+index to start..start+len(index)."""
+        if self.is_initialized and index.numel():
+            src = index.to(self._kbuf.device) + start
+            for buf in (self._kbuf, self._vbuf):
+                buf[row, :, start : start + index.numel()] = buf[row].index_select(1, src)
+
+    def grow_rows(self, rows: int) -> None:
+        if self.is_initialized and rows > self._kbuf.shape[0]:
+            self._kbuf, self._vbuf = (torch.cat([buf, buf.new_zeros(rows - buf.shape[0], *buf.shape[1:])])
+                                      for buf in (self._kbuf, self._vbuf))
+        self._rows = max(self._rows, rows)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        if self.is_initialized and length:
+            for buf in (self._kbuf, self._vbuf):
+                buf[dst, :, :length] = buf[src, :, :length]
+
+
+class BatchKVCache(DynamicCache):
+    """The target's KV cache for up to `rows` sequences at once (see the module doc); with `grow_rows`, `rows` is where
+    it starts, and it doubles when a row is added to a full cache."""
+
+    def __init__(self, config: PretrainedConfig, rows: int, capacity: int = 1024, grow_rows: bool = False) -> None:
+        super().__init__(config=config)
+        unsupported = sorted({type(layer).__name__ for layer in self.layers if type(layer) is not DynamicLayer})
+        if unsupported:
+            raise ValueError(
+                f"{config.model_type} uses cache layers {unsupported} (sliding-window or linear attention), "
+                "which tree verification cannot roll back; use a model with full attention in every layer"
+            )
+        self.layers = [_RowsLayer(rows, capacity, self) for _ in self.layers]
+        self.rows = rows
+        self.grows = grow_rows
+        self.lengths: list[int] = []  # committed entries of each occupied row; rows 0..len-1 are occupied
+        self.window_rows, self.window_count = 0, 0  # the rows the next forward covers
+
+    def __len__(self) -> int:  # number of layers, as DynamicCache defines it
+        return len(self.layers)
+
+    def add_row(self) -> int:
+        """Occupy the next free row (empty); returns its index."""
+        if len(self.lengths) == self.rows:
+            if not self.grows:
+                raise ValueError(f"all {self.rows} rows are occupied")
+            self.rows *= 2
+            for layer in self.layers:
+                layer.grow_rows(self.rows)
+        self.lengths.append(0)
+        return len(self.lengths) - 1
+
+    def remove_row(self, row: int) -> int | None:
+        """Free `row`; the last row moves into it to keep rows contiguous. Returns the moved row's old index (now
+        `row`), or None when `row` was the last."""
+        last = len(self.lengths) - 1
+        if row == last:
+            self.lengths.pop()
+            return None
+        for layer in self.layers:
+            layer.move(last, row, self.lengths[last])
+        self.lengths[row] = self.lengths.pop()
+        return last
+
+    def window(self, first_row: int, count: int) -> BatchKVCache:
+        """Make the next forward cover rows first_row .. first_row + count - 1 (its inputs' batch, in order)."""
+        self.window_rows, self.window_count = first_row, count
+        return self
+
+    def window_lengths(self) -> list[int]:
+        return self.lengths[self.window_rows : self.window_rows + self.window_count]
+
+    def commit(self, row: int, keep: torch.Tensor) -> None:
+        """After a forward that wrote W entries into `row`, keep those at `keep` (node indices, in order) right
+        after its prefix: the row's accepted path, or 0..P-1 for a prefill of P tokens."""
+        n = keep.numel()
+        if not (keep.device.type == "cpu" and torch.equal(keep, torch.arange(n))):
+            for layer in self.layers:
+                layer.keep(row, self.lengths[row], keep)
+        self.lengths[row] += n
+
+
+def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:  # [B, 1, W, max(lengths) + W] additive
+    """Row b's query i sees keys [0, lengths[b]) (its committed prefix) and its tree's ancestors of node i (itself
+    included) at lengths[b] + j; nothing else: not other rows' longer prefixes, not stale slots, not padding. Padding
+    queries (i >= the row's tree size) see only their own slot, so their softmax stays finite."""
+    width = max(t.size for t in trees)
+    total = max(lengths) + width
+    visible = torch.zeros(len(trees), width, total, dtype=torch.bool)
+    for b, (tree, length) in enumerate(zip(trees, lengths)):
+        n = tree.size
+        visible[b, :, :length] = True
+        visible[b, :n, length : length + n] = tree.ancestors.cpu()
+        pad = torch.arange(n, width)
+        visible[b, pad, :length] = False
+        visible[b, pad, length + pad] = True
+    return additive_mask(visible, dtype, device)
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[B, W, S] bool (query sees key) -> [B, 1, W, S] additive attention mask."""
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None].to(device)

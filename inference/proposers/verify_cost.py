@@ -1,0 +1,226 @@
+"""What one verify forward costs on this machine, by tree size and batch size.
+
+Speculation pays when the tokens a step commits outgrow what its verify forward costs over a plain
+step. That cost is the machine's, not the method's: a GPU verifies 60 nodes for about the price of
+one, while on a 2-core CPU every node adds GEMM work (16 nodes cost ~2.4x a plain step in fp32).
+In a batch every row's input is padded to the widest tree, so the cost of a width is paid by every
+row, and the forward turns compute-bound sooner: the curve depends on the batch size.
+`VerifyCost` holds one batch size's measured curve; `verify_cost` measures it once per (target,
+dtype, layout, device, machine, batch size) and caches it under `specheads_home()/verify-cost/`, so
+later runs start at once. `VerifyCosts` gives the curve at any batch size, measuring powers of two
+on demand and interpolating between them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from specheads.gemm_layout import linear_layout
+from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.tree import DraftTree
+from specheads.target import specheads_home
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Median seconds of one verify forward over `nodes[i]` tree nodes (a one-token step first)."""
+
+    nodes: tuple[int, ...]  # increasing, nodes[0] == 1
+    seconds: tuple[float, ...]  # same length, > 0
+
+    def __post_init__(self) -> None:
+        if not self.nodes or self.nodes[0] != 1 or list(self.nodes) != sorted(set(self.nodes)):
+            raise ValueError(f"verify cost needs increasing node counts starting at 1, got {self.nodes}")
+        if len(self.seconds) != len(self.nodes) or min(self.seconds) <= 0:
+            raise ValueError("verify cost needs one positive time per node count")
+
+    def relative(self, n: int) -> float:
+        """Cost of an n-node verify over a one-token step: linear between measured sizes, and beyond the
+        largest along its last segment. Never below 1: no tree is cheaper than the plain step it extends."""
+        xs, ys = self.nodes, self.seconds
+        if n <= xs[0] or len(xs) == 1:
+            return 1.0
+        i = min(bisect.bisect_left(xs, n), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(1.0, (y0 + (y1 - y0) * (n - x0) / (x1 - x0)) / ys[0])
+
+    def table(self, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """[max(sizes) + 1] fp64: entry n is `relative(n)` (entry 0 unused), for picking budgets on tensors."""
+        top = max(sizes) if sizes else self.nodes[-1]
+        return torch.tensor([1.0] + [self.relative(n) for n in range(1, top + 1)], dtype=torch.float64)
+
+
+    def blend(self, other: VerifyCost, w: float) -> VerifyCost:
+        """(1 - w) * self + w * other, at every node count either measured."""
+        nodes = tuple(sorted({*self.nodes, *other.nodes}))
+        seconds = tuple((1 - w) * self._seconds(n) + w * other._seconds(n) for n in nodes)
+        return VerifyCost(nodes=nodes, seconds=seconds)
+
+    def _seconds(self, n: int) -> float:
+        return self.relative(n) * self.seconds[0]
+
+
+@torch.inference_mode()
+def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3,
+                        context: int = 128, batch: int = 1) -> VerifyCost:
+    """Time star-shaped trees of each size over a `context`-token cache, `reps` interleaved rounds, medians; with
+    `batch` > 1, one such tree in each of `batch` rows of one padded forward, as the engine verifies a batch.
+
+    The cost depends on the node count, not the shape; interleaving spreads machine drift over all sizes.
+    """
+    # Imported here: the engine imports every proposer, and the proposers import this module.
+    from specheads.inference.engine.batch_cache import BatchKVCache
+    from specheads.inference.engine.engine import batch_forward, tree_forward
+
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    sizes = sorted({1, *sizes})
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (batch, context), generator=gen)
+    trees = {n: DraftTree(tokens=torch.randint(0, vocab, (n,), generator=gen),
+                          parents=torch.tensor([-1] + [0] * (n - 1))) for n in sizes}
+    capacity = context + max(sizes) + 16
+    if batch == 1:  # the forward of one-sequence decoding
+        cache = TreeKVCache(model.config, capacity=capacity)
+        model(input_ids=prompts.to(device), **cache_kwargs(model, cache), logits_to_keep=1)
+
+        def forward(tree: DraftTree) -> None:
+            tree_forward(model, cache, tree)
+            cache.truncate(context)
+    else:  # a forward writes its rows' entries past their lengths and commits nothing: it can be repeated as is
+        rows = BatchKVCache(model.config, rows=batch, capacity=capacity)
+        for prompt in prompts:
+            row = rows.add_row()
+            model(input_ids=prompt[None].to(device), **cache_kwargs(model, rows.window(row, 1)), logits_to_keep=1)
+            rows.commit(row, torch.arange(context))
+
+        def forward(tree: DraftTree) -> None:
+            batch_forward(model, rows, [tree] * batch)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps + 1):  # round 0 warms up allocators and kernels
+        for n in sizes:
+            device_sync(device)
+            start = time.perf_counter()
+            forward(trees[n])
+            device_sync(device)
+            if rep:
+                times[n].append(time.perf_counter() - start)
+    return VerifyCost(nodes=tuple(sizes), seconds=tuple(statistics.median(times[n]) for n in sizes))
+
+
+def default_cache_dir() -> Path:
+    return specheads_home() / "verify-cost"
+
+
+def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, batch: int = 1, **measure) -> VerifyCost:
+    """The model's verify cost on this machine at `batch` rows: read from the cache, or measured (a few seconds) and
+    cached."""
+    name = machine_key(model) + (f"-batch{batch}" if batch > 1 else "")
+    path = (cache_dir or default_cache_dir()) / f"{name}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return VerifyCost(nodes=tuple(data["nodes"]), seconds=tuple(data["seconds"]))
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged entry is measured again and overwritten
+    log.info("measuring the target's verify cost by tree size at batch %d on this machine (once; cached in %s)",
+             batch, path.parent)
+    cost = measure_verify_cost(model, batch=batch, **measure)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(cost)), encoding="utf-8")
+    tmp.replace(path)
+    return cost
+
+
+class VerifyCosts:
+    """The verify cost curve at any batch size: measured (or read from the cache) at the powers of two around it,
+    on first use, and interpolated linearly between them."""
+
+    def __init__(self, model: PreTrainedModel | None = None, *, fixed: VerifyCost | None = None,
+                 cache_dir: Path | None = None) -> None:
+        if (model is None) == (fixed is None):
+            raise ValueError("VerifyCosts needs a model to measure or one fixed curve")
+        self.model, self.cache_dir, self.fixed = model, cache_dir, fixed
+        self._measured: dict[int, VerifyCost] = {}
+        self._at: dict[int, VerifyCost] = {}
+
+    def _power(self, batch: int) -> VerifyCost:
+        if self.fixed is not None:
+            return self.fixed
+        if batch not in self._measured:
+            self._measured[batch] = verify_cost(self.model, cache_dir=self.cache_dir, batch=batch)
+        return self._measured[batch]
+
+    def at(self, batch: int) -> VerifyCost:
+        """The curve at `batch` rows (>= 1)."""
+        if batch not in self._at:
+            low = 1 << (max(batch, 1).bit_length() - 1)
+            cost = self._power(low)
+            if batch > low:
+                cost = cost.blend(self._power(2 * low), (batch - low) / low)
+            self._at[batch] = cost
+        return self._at[batch]
+
+
+def prepare_verify_costs(model: PreTrainedModel, max_batch: int, cache_dir: Path | None = None) -> None:
+    """Measure (once per machine; cached) the curves a batch of up to `max_batch` rows reads, so that no step of a
+    server or a calibration stops to measure one."""
+    batch = 1
+    while True:
+        verify_cost(model, cache_dir=cache_dir, batch=batch)
+        if batch >= max_batch:
+            return
+        batch *= 2
+
+
+def machine_key(model: PreTrainedModel) -> str:
+    """What step costs depend on: the model's shapes, dtype, weight layout, device, threads and software."""
+    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), linear_layout(model), *_setting(model)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def machine_description(model: PreTrainedModel) -> str:
+    """The same setting in words, for people (the key's model shapes aside)."""
+    device_type, hardware, threads, version = _setting(model)
+    return (f"{type(model).__name__} {model.dtype} ({linear_layout(model)} layout) on {hardware} ({device_type}, "
+            f"{threads} threads, torch {version})")
+
+
+def _setting(model: PreTrainedModel) -> tuple[str, str, str, str]:
+    device = next(model.parameters()).device
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return device.type, hardware, str(torch.get_num_threads()), torch.__version__
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

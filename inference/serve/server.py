@@ -1,0 +1,342 @@
+"""`specheads serve`: OpenAI's completions and chat completions API over the engine (FastAPI), with Prometheus
+metrics.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (OpenAI request and response shapes; `stream: true`
+sends server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`. Output is
+exact: greedy requests (`temperature: 0`) return the target's own greedy continuation, sampled ones follow its
+distribution at the request's temperature, top_p and top_k, whatever the proposer drafts.
+
+Bad requests get OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`): malformed JSON 400, a
+body without `prompt` or `messages` 422, a sampling setting out of range, an unknown model name or a prompt the
+context cannot hold 400, a body over the size limit 413, a full queue 429, and without the bearer token (when the
+server has an API key) 401. None of them disturbs requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
+
+from specheads.inference.engine.engine import Engine, GenerationResult
+from specheads.inference.engine.sampling import SamplingParams
+from specheads.inference.serve.metrics import ServerMetrics
+from specheads.inference.serve.service import GenerationService, Job, QueueFull, ServiceLimits
+from specheads.inference.serve.text_stream import TextStream
+from specheads.target import render_messages
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the server's limit
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str  # the name clients pass as `model` (GET /v1/models lists it)
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    max_body_bytes: int = 1 << 20
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # chat: the newer name of max_tokens
+    temperature: float = 1.0  # OpenAI's default: sampling; 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # an extension (as vLLM's): 0 keeps every token
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    logprobs: Any = None
+    echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage]
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+
+def create_app(service: GenerationService, tokenizer: Any, settings: ServerSettings) -> FastAPI:
+    """The HTTP application around a started `service`."""
+    app = FastAPI(title="specheads", docs_url=None, redoc_url=None)
+    max_context = service.engine.max_context
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if settings.api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {settings.api_key}":
+                return _error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                              "authentication_error")
+        declared = request.headers.get("content-length")
+        too_big = f"the request body is over the server's limit of {settings.max_body_bytes} bytes"
+        if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
+            return _error(413, too_big, "invalid_request_error")
+        if declared is None and request.method == "POST" and len(await request.body()) > settings.max_body_bytes:
+            return _error(413, too_big, "invalid_request_error")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError):
+        errors = err.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error(422, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error", where)
+
+    @app.exception_handler(BadRequest)
+    async def bad(request: Request, err: BadRequest):
+        return _error(err.status, str(err), err.kind, err.param)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specheads", "max_model_len": max_context}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise BadRequest("send one prompt per request (got a list of several)", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(tokenizer(prompt)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+            if any(not 0 <= t < service.engine.vocab_size for t in ids):
+                raise BadRequest(f"prompt token ids must be in [0, {service.engine.vocab_size})", "prompt")
+        if body.echo:
+            raise BadRequest("echo is not supported", "echo")
+        return await _serve(body, ids, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        if not body.messages:
+            raise BadRequest("messages must hold at least one message", "messages")
+        messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+        return await _serve(body, render_messages(tokenizer, messages), request, chat=True)
+
+    async def _serve(body: _Request, prompt_ids: list[int], request: Request, *, chat: bool):
+        if body.model is not None and body.model != settings.model_name:
+            raise BadRequest(f"unknown model {body.model!r}; this server serves {settings.model_name!r}", "model")
+        max_tokens = _max_tokens(body, chat, service.limits.max_tokens)
+        sampling = _sampling(body)
+        stops = _stop_strings(body.stop)
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty", "prompt")
+        if max_context is not None and len(prompt_ids) >= max_context:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens, but this model's context holds {max_context} "
+                             "(prompt and answer together); shorten it", "messages" if chat else "prompt")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        text = TextStream(tokenizer, stops)
+
+        def on_tokens(new: list[int]) -> str | None:  # worker thread
+            delta = text.add(new)
+            if delta:
+                loop.call_soon_threadsafe(events.put_nowait, ("text", delta))
+            return "stop" if text.stopped else None
+
+        def on_done(result: GenerationResult | None, err: BaseException | None) -> None:  # worker thread
+            loop.call_soon_threadsafe(events.put_nowait, ("done", result, err))
+
+        job = Job(prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=sampling, on_tokens=on_tokens,
+                  on_done=on_done)
+        try:
+            service.submit(job)
+        except QueueFull as err:
+            raise BadRequest(str(err), status=429, kind="rate_limit_error") from None
+        reply = _Reply(chat, settings.model_name, len(prompt_ids))
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(reply, events, job, text, include_usage), media_type="text/event-stream")
+        parts: list[str] = []
+        while True:
+            try:
+                event = await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return Response(status_code=499)
+                continue
+            if event[0] == "text":
+                parts.append(event[1])
+                continue
+            result = _result(event)
+            parts.append(text.flush())
+            return reply.whole("".join(parts), result)
+
+    return app
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(part.get("type") != "text" for part in content):
+        raise BadRequest("only text message content is supported", "messages")
+    return "".join(str(part.get("text", "")) for part in content)
+
+
+def _max_tokens(body: _Request, chat: bool, limit: int) -> int:
+    asked = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
+    if asked is None:
+        return limit if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, limit)
+    if not 1 <= asked <= limit:
+        raise BadRequest(f"max_tokens must be in [1, {limit}] (this server's limit), got {asked}", "max_tokens")
+    return asked
+
+
+def _sampling(body: _Request) -> SamplingParams:
+    if body.n != 1:
+        raise BadRequest(f"n must be 1 (one answer per request), got {body.n}; send n requests instead", "n")
+    if body.logprobs not in (None, False, 0):
+        raise BadRequest("logprobs are not supported", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0.0:
+            raise BadRequest(f"{name} is not supported: it would change the target's distribution; leave it at 0",
+                             name)
+    try:
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+    except ValueError as err:
+        raise BadRequest(str(err), str(err).split()[0]) from None
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", "stop")
+    return stops
+
+
+def _result(event: tuple) -> GenerationResult:
+    _, result, err = event
+    if err is not None:
+        raise BadRequest(f"generation failed: {err}", status=500, kind="server_error")
+    return result
+
+
+class _Reply:
+    """OpenAI response bodies and stream chunks for one request."""
+
+    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+        self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def usage(self, result: GenerationResult) -> dict[str, int]:
+        done = len(result.output_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def _body(self, kind: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def whole(self, text: str, result: GenerationResult) -> dict:
+        reason = finish_reason(result)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            return self._body("chat.completion", [choice], usage=self.usage(result))
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return self._body("text_completion", [choice], usage=self.usage(result))
+
+    def chunk(self, text: str | None, reason: str | None = None, *, first: bool = False) -> str:
+        if self.chat:
+            delta = ({"role": "assistant", "content": ""} if first else {}) | ({} if text is None else {"content": text})
+            body = self._body("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": reason}])
+        else:
+            body = self._body("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+                                                   "finish_reason": reason}])
+        return sse(body)
+
+    def usage_chunk(self, result: GenerationResult) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse(self._body(kind, [], usage=self.usage(result)))
+
+
+def finish_reason(result: GenerationResult) -> str:
+    """OpenAI's names: "stop" (a stop token or string) and "length" (max_tokens or the context); the server's own
+    "timeout" (past --request-timeout) and "cancelled" pass through."""
+    reason = result.stats.finish_reason
+    return "length" if reason == "context" else reason
+
+
+def sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+async def _stream(reply: _Reply, events: asyncio.Queue, job: Job, text: TextStream,
+                  include_usage: bool) -> AsyncIterator[str]:
+    try:
+        if reply.chat:
+            yield reply.chunk(None, first=True)
+        while True:
+            event = await events.get()
+            if event[0] == "text":
+                yield reply.chunk(event[1])
+                continue
+            _, result, err = event
+            if err is not None:
+                yield sse({"error": {"message": f"generation failed: {err}", "type": "server_error", "code": 500}})
+            else:
+                if rest := text.flush():
+                    yield reply.chunk(rest)
+                yield reply.chunk(None if reply.chat else "", finish_reason(result))
+                if include_usage:
+                    yield reply.usage_chunk(result)
+            yield sse("[DONE]")
+            return
+    finally:
+        job.cancel()  # a client that left mid-stream ends its job at the next step (no-op once it is done)
+
+
+def build_server(engine: Engine, tokenizer: Any, stop_token_ids: list[int], settings: ServerSettings,
+                 limits: ServiceLimits = ServiceLimits()) -> tuple[FastAPI, GenerationService]:
+    """The application and its started service (call `service.close()` once the HTTP server stopped)."""
+    service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name), limits)
+    service.start()
+    return create_app(service, tokenizer, settings), service
