@@ -35,13 +35,13 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
-def draft_layer_config(target: torch.nn.Module, hidden_size: int, aux_layers: Any, num_layers: int, head_type: str,
+def draft_layer_config(target: torch.nn.Module, hidden_size: int, aux_layers: Any, num_layers: int, kind: str,
                        overrides: dict[str, Any] | None = None) -> Any:
     """The HF config of a draft head's `num_layers` decoder layers: the target's, cut to that depth (and with
     `overrides` set), after checking the head's hidden size and aux layers fit the target."""
     tcfg = text_config(target)
     if tcfg.hidden_size != hidden_size:
-        raise ValueError(f"{head_type} hidden_size {hidden_size} != target hidden size {tcfg.hidden_size}")
+        raise ValueError(f"{kind} hidden_size {hidden_size} != target hidden size {tcfg.hidden_size}")
     check_aux_layers(aux_layers, tcfg.num_hidden_layers)
     layer_cfg = copy.deepcopy(tcfg)
     layer_cfg.num_hidden_layers = num_layers

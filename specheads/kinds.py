@@ -22,7 +22,7 @@ from specheads.registry import Registry
 
 @dataclass(frozen=True)
 class DrafterKind:
-    name: str  # the checkpoint's head_type, the decoding method's name, the default recipe name
+    name: str  # the checkpoint's kind, the decoding method's name, the default recipe name
     config: type  # frozen dataclass; its fields are the checkpoint's `config` (read strictly)
     build: Callable[[Any, nn.Module], nn.Module]  # (config, target model) -> module with a `.config` attribute
     module: type[nn.Module]  # what `build` returns: how a built module finds its kind (`kind_of`)

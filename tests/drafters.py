@@ -136,7 +136,7 @@ def check_roundtrip(kind: str, target: nn.Module, folder: Path) -> None:
     for name in want:
         assert torch.equal(want[name].cpu(), got[name].cpu()), name
     saved = json.loads((folder / CONFIG_NAME).read_text())
-    assert saved["head_type"] == kind and saved["format_version"] == 2
+    assert saved["kind"] == kind and saved["format_version"] == 3
 
 
 def check_strict_loader(kind: str, target: nn.Module, folder: Path) -> None:

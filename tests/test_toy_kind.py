@@ -57,7 +57,7 @@ def test_toy_trains_with_the_recipe_and_is_offered_everywhere(toy, tiny_run_inpu
     assert train_main(base_args(tiny_run_inputs, out, "recipe=toy", "heads.label_smoothing=0.1", "max_steps=6",
                                 "save_every=6", "eval_every=3", "optim.lr=0.01")) == 0
     saved = json.loads((out / "final" / "config.json").read_text())
-    assert saved["head_type"] == "toy" and set(saved["config"]) == {"hidden_size", "vocab_size"}
+    assert saved["kind"] == "toy" and set(saved["config"]) == {"hidden_size", "vocab_size"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval/top1" in r] == [3, 6] and "eval/measured_tau" in rows[-1]
 

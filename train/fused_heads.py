@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specheads.heads.fused_head import default_aux_layers
+from specheads.heads.fused_head import check_fused_layers, default_aux_layers
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,7 @@ class FusedHeadsConfig:
     feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"heads.num_layers must be >= 1, got {self.num_layers}")
-        if self.aux_layers is not None:
-            object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
-            if not self.aux_layers:
-                raise ValueError("heads.aux_layers must name at least one target layer, or be null for 2, L//2, L-3")
+        object.__setattr__(self, "aux_layers", check_fused_layers(self.num_layers, self.aux_layers, "heads."))
         if self.feature_noise < 0:
             raise ValueError(f"heads.feature_noise must be >= 0, got {self.feature_noise}")
 

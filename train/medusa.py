@@ -9,10 +9,10 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from specheads.heads.medusa import KIND_NAME, MedusaConfig, MedusaHeads, medusa_loss
+from specheads.static_trees import build_static_tree
 from specheads.train.class_top1 import TOKEN_HITS, TokenHits, join_hits, token_hits
 from specheads.train.features import batch_features
 from specheads.train.objective import Objective, register_objective
-from specheads.trees import build_static_tree
 
 EVAL_TOPK = 10  # choices per head whose accuracy is measured (the static tree is built from them)
 TREE_NODES = 16  # verify budget of the static tree stored with the heads (CPU-friendly)

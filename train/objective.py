@@ -1,7 +1,7 @@
 """Training objectives: what the one recipe (`recipe.py`) needs from each drafter kind, by recipe name.
 
 A drafter kind (`specheads.kinds`) becomes trainable by registering an `Objective` here, from its own
-file in `specheads.train` (see `objectives.py` for the built-in ones). The recipe's loop, data,
+file in `specheads.train` (see `builtin.py` for the built-in ones). The recipe's loop, data,
 features, checkpoints and measured τ are shared; an objective supplies only the kind's parts:
 its settings (the YAML `heads:` section, or the one `section` names), how to build the module, one
 step's loss, evaluation, and how its final drafter is saved.
@@ -87,7 +87,7 @@ class Objective:
             raise TypeError(f"objective {self.name!r}: settings must be a dataclass, got {self.settings!r}")
 
 
-OBJECTIVES: Registry[Objective] = Registry("recipe", builtins="specheads.train.objectives")
+OBJECTIVES: Registry[Objective] = Registry("recipe", builtins="specheads.train.builtin")
 
 
 def register_objective(objective: Objective) -> Objective:

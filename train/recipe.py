@@ -125,8 +125,8 @@ def init_from_heads(head: torch.nn.Module, path: str, kind: str, target: torch.n
     """Load saved heads' weights into a freshly built head of the same shape (built with their draft vocabulary,
     see `run_draft_vocabulary`)."""
     ckpt = read_checkpoint(path)
-    if ckpt.head_type != kind:
-        raise ValueError(f"init_heads={path} holds {ckpt.head_type} heads; this recipe can only start from {kind} heads")
+    if ckpt.kind != kind:
+        raise ValueError(f"init_heads={path} holds {ckpt.kind} heads; this recipe can only start from {kind} heads")
     ckpt.target.check_compatible(target, target_name, checkpoint=path)
     state = ckpt.state
     trainable = {n for n, p in head.named_parameters() if p.requires_grad}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from specheads.inference.methods import Method, register_method
 from specheads.inference.methods.options import HeadsOptions, option
-from specheads.trees import TYPICAL_ACCURACIES, Tree, build_static_tree, resolve_tree
+from specheads.static_trees import TYPICAL_ACCURACIES, Tree, build_static_tree, resolve_tree
 
 # Named static trees (`--tree NAME`, `medusa:DIR@NAME` in bench); heads store the tree measured in training.
 MEDUSA_TREES: dict[str, Tree] = {

@@ -3,7 +3,7 @@
 After each verify forward the heads read the hidden state of the last accepted node
 (whose LM-head prediction is the bonus token, i.e. the next root); head k's top
 choices become the candidates at depth k + 1 of the next tree. The tree's shape is a
-fixed list of paths (see `specheads.trees`), so all index bookkeeping is done once
+fixed list of paths (see `specheads.static_trees`), so all index bookkeeping is done once
 here and each step only gathers token ids. Drafts are deterministic top-k, so
 `draft_probs` stays None and verification is exact for greedy and sampling alike.
 """
@@ -25,7 +25,7 @@ from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.medusa import DEFAULT_TREE, MEDUSA_TREES, MedusaOptions
 from specheads.inference.proposers.lookup import with_heads_options
 from specheads.int8 import quantize_linears
-from specheads.trees import (
+from specheads.static_trees import (
     prune_depth,
     resolve_tree,
     tree_depth,

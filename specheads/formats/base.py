@@ -117,7 +117,7 @@ def import_folder(folder: Path, meta: Mapping[str, Any], num_target_layers: int 
         if importer.detect(meta, set(state)):
             return importer.read(folder, meta, state, num_target_layers)
     known = "; ".join(f"{i.layout} ({i.needs})" for _, i in IMPORTERS.items())
-    raise ValueError(f"{folder} holds no drafter layout specheads reads: its config.json has no 'head_type' (our "
+    raise ValueError(f"{folder} holds no drafter layout specheads reads: its config.json has no 'kind' (our "
                      f"format) and matches none of: {known}. Pass a specheads training run's final/ folder or one of those")
 
 

@@ -45,7 +45,7 @@ def _run_facts(run: Path | None) -> dict[str, Any]:
 
 
 def model_card(ckpt: Checkpoint, ctx: ExportContext, run: Path | None) -> str:
-    kind = ckpt.head_type
+    kind = ckpt.kind
     evals = {**(ckpt.metadata.get("eval") or {}), **_run_evals(run)}
     lines = [f"# {kind} drafter for {ctx.verifier}", "",
              f"Speculative-decoding heads of kind `{kind}` trained with specheads for the frozen target "

@@ -83,7 +83,7 @@ def export(run_or_heads: str | Path, fmt: str, output: str | Path, *, target: st
         (out / "README.md").write_text(model_card(ckpt, ctx, run), encoding="utf-8")
         files = [CONFIG_NAME, WEIGHTS_NAME, "README.md"]
     else:
-        exporter = exporter_for(fmt, ckpt.head_type)
+        exporter = exporter_for(fmt, ckpt.kind)
         files = exporter.write(ckpt, out, ctx)
     json.loads((out / CONFIG_NAME).read_text())  # every format's config must be valid JSON
     return Exported(out, fmt, files, ctx.verifier)

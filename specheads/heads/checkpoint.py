@@ -1,9 +1,9 @@
 """The checkpoint format shared by every drafter kind: one folder, two files.
 
-    DIR/config.json        {"head_type", "format_version", "config", "target", "metadata"}
+    DIR/config.json        {"kind", "format_version", "config", "target", "metadata"}
     DIR/model.safetensors  the heads' own weights (frozen target weights they share are left out)
 
-`head_type` names the drafter kind (`specheads.kinds`), `config` holds exactly the fields of that
+`kind` names the drafter kind (`specheads.kinds`), `config` holds exactly the fields of that
 kind's config class, `target` records which target the heads were trained for (so loading them
 onto a different target fails with a clear message instead of producing garbage drafts), and
 `metadata` is informational (e.g. the last evaluation of the training run); no loader reads it.
@@ -11,7 +11,7 @@ onto a different target fails with a clear message instead of producing garbage 
 `save_drafter` / `load_drafter` are the one way in and out for every kind. The loader is strict:
 unknown config keys, missing or unexpected tensors and shape mismatches are refused by name.
 Format 1 (before `metadata`) kept the training run's last evaluation as `config["eval"]`; it is
-read as metadata, so version-1 checkpoints still load.
+read as metadata. Formats 1 and 2 named the kind `head_type`. Both still load.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from specheads.kinds import KINDS, kind_of
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-_REQUIRED_KEYS = ("head_type", "config", "target", "format_version")
+_REQUIRED_KEYS = ("config", "target", "format_version")
+_KIND_KEY = {1: "head_type", 2: "head_type", 3: "kind"}  # what each format calls the drafter kind
 _V1_METADATA_KEYS = ("eval",)  # format 1 stored these inside `config`
 
 
@@ -104,7 +105,7 @@ def _atomic_write(folder: Path, final_name: str, write) -> Path:
     return Path(tmp)
 
 
-def save_heads(path: str | os.PathLike, module: nn.Module, *, head_type: str, config: dict, target: TargetInfo,
+def save_heads(path: str | os.PathLike, module: nn.Module, *, kind: str, config: dict, target: TargetInfo,
                exclude_prefixes: tuple[str, ...] = (), metadata: dict | None = None) -> None:
     """Write `module`'s weights and config to the folder `path` (created if needed).
 
@@ -119,8 +120,8 @@ def save_heads(path: str | os.PathLike, module: nn.Module, *, head_type: str, co
     state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()
              if not k.startswith(tuple(exclude_prefixes))}
     if not state:
-        raise ValueError(f"nothing to save for {head_type} heads: every weight matches exclude_prefixes={exclude_prefixes}")
-    meta = {"head_type": head_type, "format_version": FORMAT_VERSION, "config": config, "target": asdict(target),
+        raise ValueError(f"nothing to save for {kind} heads: every weight matches exclude_prefixes={exclude_prefixes}")
+    meta = {"kind": kind, "format_version": FORMAT_VERSION, "config": config, "target": asdict(target),
             "metadata": dict(metadata or {})}
     text = json.dumps(meta, indent=2) + "\n"  # serialise first: a non-JSON config fails before any file is touched
 
@@ -135,7 +136,7 @@ def save_heads(path: str | os.PathLike, module: nn.Module, *, head_type: str, co
         raise
     os.replace(weights_tmp, folder / WEIGHTS_NAME)
     os.replace(config_tmp, folder / CONFIG_NAME)
-    log.info("saved %s heads (%d tensors) to %s", head_type, len(state), folder)
+    log.info("saved %s heads (%d tensors) to %s", kind, len(state), folder)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class Checkpoint:
     """A checkpoint folder as read from disk, before any module is built."""
 
     path: Path
-    head_type: str
+    kind: str  # the drafter kind (`specheads.kinds`)
     config: dict
     target: TargetInfo
     state: dict[str, torch.Tensor]  # on CPU
@@ -170,7 +171,7 @@ def read_checkpoint(path: str | os.PathLike, num_target_layers: int | None = Non
         meta = json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"checkpoint {folder} is corrupt ({CONFIG_NAME}: {err}); re-export or re-train it") from err
-    if isinstance(meta, dict) and "head_type" not in meta:
+    if isinstance(meta, dict) and not is_ours(meta):
         from specheads.formats import import_folder
 
         return import_folder(folder, meta, num_target_layers)
@@ -181,6 +182,9 @@ def read_checkpoint(path: str | os.PathLike, num_target_layers: int | None = Non
     if version not in READABLE_VERSIONS:
         raise ValueError(f"checkpoint {folder} has format_version {version}, this specheads reads versions "
                          f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade specheads or re-export the checkpoint")
+    if _KIND_KEY[version] not in meta:
+        raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} of format {version} lacks {[_KIND_KEY[version]]}; "
+                         "re-export or re-train it")
     if not isinstance(meta["config"], dict):
         raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} 'config' must be an object; re-export or re-train it")
     config, metadata = dict(meta["config"]), meta.get("metadata") or {}
@@ -197,7 +201,12 @@ def read_checkpoint(path: str | os.PathLike, num_target_layers: int | None = Non
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise ValueError(f"checkpoint {folder} is corrupt or truncated ({WEIGHTS_NAME}: {err}); "
                          "re-export or re-train it") from err
-    return Checkpoint(folder, str(meta["head_type"]), config, target, state, metadata)
+    return Checkpoint(folder, str(meta[_KIND_KEY[version]]), config, target, state, metadata)
+
+
+def is_ours(meta: dict) -> bool:
+    """Whether a folder's config.json is our checkpoint format (any version) rather than another engine's."""
+    return "format_version" in meta and any(key in meta for key in set(_KIND_KEY.values()))
 
 
 def save_drafter(path: str | os.PathLike, module: nn.Module, target: TargetInfo, *, config: Any = None,
@@ -208,7 +217,7 @@ def save_drafter(path: str | os.PathLike, module: nn.Module, target: TargetInfo,
     config = module.config if config is None else config
     if not isinstance(config, kind.config):
         raise TypeError(f"{kind.name} heads save a {kind.config.__name__}, got {type(config).__name__}")
-    save_heads(path, module, head_type=kind.name, config=to_dict(config), target=target,
+    save_heads(path, module, kind=kind.name, config=to_dict(config), target=target,
                exclude_prefixes=kind.shared_prefixes, metadata=metadata)
 
 
@@ -216,7 +225,7 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str 
                  target_name: str | None = None) -> nn.Module:
     """The drafter saved in `path`, built for `target_model` on its device, in eval mode.
 
-    1. Read the folder; the kind is its `head_type` (when `kind` is given, it must match).
+    1. Read the folder; the kind is its `kind` (when `kind` is given, it must match).
     2. Check the target has the sizes the heads were trained for.
     3. Build the kind's config strictly: an unknown key is refused with the nearest known one.
     4. Build the module and compare its state dict (minus the target's shared weights) with the file:
@@ -225,13 +234,13 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str 
        linear weights in the target's layout (`gemm_layout.py`), which suits the same few-row products.
     """
     ckpt = read_checkpoint(path, num_target_layers=target_model.config.get_text_config().num_hidden_layers)
-    if ckpt.head_type not in KINDS:
-        raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.head_type!r} heads, a kind this specheads does not know "
+    if ckpt.kind not in KINDS:
+        raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.kind!r} heads, a kind this specheads does not know "
                          f"({', '.join(KINDS.names())}); upgrade specheads or use a checkpoint of a known kind")
-    if kind is not None and ckpt.head_type != kind:
-        raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.head_type!r} heads, not {kind} heads; "
-                         f"use the method that matches it (--method {ckpt.head_type})")
-    spec = KINDS.get(ckpt.head_type)
+    if kind is not None and ckpt.kind != kind:
+        raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.kind!r} heads, not {kind} heads; "
+                         f"use the method that matches it (--method {ckpt.kind})")
+    spec = KINDS.get(ckpt.kind)
     ckpt.target.check_compatible(target_model, target_name, checkpoint=ckpt.path)
     try:
         config = build_config(spec.config, ckpt.config)

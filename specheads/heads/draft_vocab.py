@@ -14,13 +14,13 @@ from collections.abc import Sequence
 import torch
 
 
-def check_draft_vocab(ids: Sequence[int] | None, vocab_size: int, head_type: str) -> tuple[int, ...] | None:
+def check_draft_vocab(ids: Sequence[int] | None, vocab_size: int, kind: str) -> tuple[int, ...] | None:
     """The ids as a hashable tuple (JSON gives a list); they must be sorted, distinct and in the vocabulary."""
     if ids is None:
         return None
     out = tuple(int(i) for i in ids)
     if not out or list(out) != sorted(set(out)) or out[0] < 0 or out[-1] >= vocab_size:
-        raise ValueError(f"{head_type} draft_vocab must be sorted, distinct token ids in [0, {vocab_size})")
+        raise ValueError(f"{kind} draft_vocab must be sorted, distinct token ids in [0, {vocab_size})")
     return out
 
 

@@ -61,14 +61,25 @@ LAYER_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads
                 "hidden_act", "attention_bias", "mlp_bias", "rope_parameters", "max_position_embeddings")
 
 
+def check_fused_layers(num_layers: int, aux_layers: Any, where: str) -> tuple[int, ...] | None:
+    """`aux_layers` as a tuple of ints (None stays None: the default, resolved against the target), after checking
+    both of the settings every fused-layer drafter has; `where` prefixes the messages ("eagle3", "heads.")."""
+    if num_layers < 1:
+        raise ValueError(f"{where}num_layers must be >= 1, got {num_layers}")
+    if aux_layers is None:
+        return None
+    aux = tuple(int(i) for i in aux_layers)
+    if not aux:
+        raise ValueError(f"{where}aux_layers must name at least one target layer, or be null for 2, L//2, L-3")
+    return aux
+
+
 def check_fused_config(config: Any, kind: str) -> None:
     """Validate (and normalise) the fields every fused-layer drafter's config has: num_layers, aux_layers,
     draft_vocab, layer; and mask_token_id where it has one."""
-    if config.num_layers < 1:
-        raise ValueError(f"{kind} num_layers must be >= 1, got {config.num_layers}")
-    object.__setattr__(config, "aux_layers", tuple(int(i) for i in config.aux_layers))
-    if not config.aux_layers:
-        raise ValueError(f"{kind} aux_layers must name at least one target layer (default: 2, L//2, L-3)")
+    if config.aux_layers is None:
+        raise ValueError(f"{kind} aux_layers must name the target layers the head fuses")
+    object.__setattr__(config, "aux_layers", check_fused_layers(config.num_layers, config.aux_layers, f"{kind} "))
     object.__setattr__(config, "draft_vocab", check_draft_vocab(config.draft_vocab, config.vocab_size, kind))
     unknown = sorted(set(config.layer) - set(LAYER_FIELDS))
     if unknown:

@@ -18,7 +18,7 @@ from torch import nn
 from specheads.heads.draft_vocab import check_draft_vocab
 from specheads.int8 import input_dtype
 from specheads.kinds import DrafterKind, register_kind
-from specheads.trees import validate_tree
+from specheads.static_trees import validate_tree
 
 KIND_NAME = "medusa"
 _SHARED_PREFIX = "target_lm_head."  # the target's own LM head: frozen, never saved

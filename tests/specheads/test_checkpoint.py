@@ -28,7 +28,7 @@ def small_module() -> nn.Module:
 
 def save_small(path, target) -> nn.Module:
     module = small_module()
-    save_heads(path, module, head_type="toy", config={"width": 4}, target=TargetInfo.from_model(target, "tiny"),
+    save_heads(path, module, kind="toy", config={"width": 4}, target=TargetInfo.from_model(target, "tiny"),
                exclude_prefixes=("shared.",))
     return module
 
@@ -41,12 +41,12 @@ def test_target_info_from_model(target):
 def test_roundtrip_excludes_prefixes_and_leaves_no_temp_files(tmp_path, target):
     module = save_small(tmp_path / "ckpt", target)
     ckpt = read_checkpoint(tmp_path / "ckpt")
-    assert ckpt.head_type == "toy" and ckpt.config == {"width": 4} and ckpt.metadata == {}
+    assert ckpt.kind == "toy" and ckpt.config == {"width": 4} and ckpt.metadata == {}
     assert ckpt.target == TargetInfo.from_model(target, "tiny")
     assert set(ckpt.state) == {"own.weight", "own.bias"}
     torch.testing.assert_close(ckpt.state["own.weight"], module.own.weight)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
-    assert json.loads((tmp_path / "ckpt" / CONFIG_NAME).read_text())["format_version"] == 2
+    assert json.loads((tmp_path / "ckpt" / CONFIG_NAME).read_text())["format_version"] == 3
     # Overwriting in place also leaves only the two files.
     save_small(tmp_path / "ckpt", target)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
@@ -56,7 +56,7 @@ def test_failed_save_keeps_old_checkpoint_and_no_temp_files(tmp_path, target):
     save_small(tmp_path, target)
     before = (tmp_path / WEIGHTS_NAME).read_bytes()
     with pytest.raises(TypeError):  # config not JSON-serialisable: fails before touching any file
-        save_heads(tmp_path, small_module(), head_type="toy", config={"bad": object()},
+        save_heads(tmp_path, small_module(), kind="toy", config={"bad": object()},
                    target=TargetInfo.from_model(target, "tiny"))
     assert (tmp_path / WEIGHTS_NAME).read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
@@ -113,11 +113,24 @@ def test_format_1_checkpoints_still_load_with_their_eval_as_metadata(tmp_path, t
     save_small(tmp_path, target)
     meta = json.loads((tmp_path / CONFIG_NAME).read_text())
     meta.pop("metadata")
+    meta["head_type"] = meta.pop("kind")  # formats 1 and 2 named the kind `head_type`
     meta["format_version"], meta["config"]["eval"] = 1, {"step": 3}  # format 1 kept the last eval in `config`
     (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
     ckpt = read_checkpoint(tmp_path)
     assert ckpt.config == {"width": 4} and ckpt.metadata == {"eval": {"step": 3}}
-    meta["format_version"] = 3
+    meta["format_version"] = 4
     (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="format_version 3, this specheads reads versions 1, 2: upgrade specheads"):
+    with pytest.raises(ValueError, match="format_version 4, this specheads reads versions 1, 2, 3: upgrade specheads"):
+        read_checkpoint(tmp_path)
+
+
+def test_format_2_checkpoints_name_their_kind_head_type_and_still_load(tmp_path, target):
+    save_small(tmp_path, target)
+    meta = json.loads((tmp_path / CONFIG_NAME).read_text())
+    meta["head_type"], meta["format_version"] = meta.pop("kind"), 2
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
+    assert read_checkpoint(tmp_path).kind == "toy"
+    meta["format_version"] = 3  # format 3 calls it `kind`: a format-3 file with the old key is incomplete
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"format 3 lacks \['kind'\]"):
         read_checkpoint(tmp_path)

@@ -108,14 +108,14 @@ def test_save_load_roundtrip(tmp_path, target, hidden, own_lm_head):
     assert any(k.startswith("lm_heads") for k in saved) == own_lm_head
 
 
-def test_loading_rejects_other_targets_and_head_types(tmp_path, target):
+def test_loading_rejects_other_targets_and_kinds(tmp_path, target):
     heads = MedusaHeads(MedusaConfig.for_target(target, num_heads=1), target.get_output_embeddings())
     save_drafter(tmp_path / "m", heads, TargetInfo.from_model(target, "tiny"))
     assert load_drafter(tmp_path / "m", target, kind="medusa").config.tree is None
     wider = tiny_model("llama", layers=2, vocab=128)
     with pytest.raises(ValueError, match="vocab 96.*vocab 128"):
         load_drafter(tmp_path / "m", wider)
-    save_heads(tmp_path / "e", heads, head_type="eagle", config={}, target=TargetInfo.from_model(target, "tiny"))
+    save_heads(tmp_path / "e", heads, kind="eagle", config={}, target=TargetInfo.from_model(target, "tiny"))
     with pytest.raises(ValueError, match="'eagle' heads, not medusa"):
         load_drafter(tmp_path / "e", target, kind="medusa")
 

@@ -115,7 +115,7 @@ def test_the_recipe_trains_in_two_stages_and_saves_heads_and_adapter(run):
     assert 1.0 <= rows[-1]["eval/measured_tau"] and rows[-1]["eval/measured_prompts"] == 2
     final = run / "final"
     cfg = json.loads((final / "config.json").read_text())
-    assert cfg["head_type"] == "medusa" and cfg["config"]["tree"], cfg
+    assert cfg["kind"] == "medusa" and cfg["config"]["tree"], cfg
     assert {"adapter_config.json", "adapter_model.safetensors", "specheads_target.json"} <= {
         p.name for p in (final / "adapter").iterdir()}
     # The checkpoint after stage 1 holds the adapters as initialised (lora_B is zero); final/ has them trained.

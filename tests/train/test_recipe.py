@@ -38,7 +38,7 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     assert [r["step"] for r in evals] == [12, 24] and "eval/simulated_tau_chain" in evals[-1]
     assert_class_top1_adds_up(evals[-1], "eval/top1_step1")
     cfg = json.loads((out / "final" / "config.json").read_text())
-    assert cfg["head_type"] == "eagle" and len(cfg["config"]["draft_vocab"]) == 48
+    assert cfg["kind"] == "eagle" and len(cfg["config"]["draft_vocab"]) == 48
     assert cfg["config"]["aux_layers"] == ([1, 2] if heads else [])
     assert (out / "config.yaml").is_file()
     measured = metrics(out)[-1]  # the saved heads decoding held-out prompts through the bench's runner
@@ -73,7 +73,7 @@ def test_eagle3_recipe_lowers_the_loss_decodes_exactly_and_keeps_its_draft_vocab
     assert sum(losses[s] for s in (22, 23, 24)) < 0.85 * sum(losses[s] for s in (1, 2, 3)), losses
     cfg = json.loads((out / "final" / "config.json").read_text())
     vocab = cfg["config"]["draft_vocab"]
-    assert cfg["head_type"] == "eagle3" and len(vocab) == 40 and cfg["config"]["aux_layers"] == [1, 2, 3]
+    assert cfg["kind"] == "eagle3" and len(vocab) == 40 and cfg["config"]["aux_layers"] == [1, 2, 3]
     assert json.loads((out / "draft_vocab.json").read_text())["draft_vocab"] == vocab
 
     from specheads.inference import Engine
@@ -114,7 +114,7 @@ def train_block_drafter(tiny_run_inputs, out: Path, kind: str, *settings: str) -
     evals = [r for r in rows if "eval/top1_step3" in r]
     assert evals and 1.0 <= evals[-1]["eval/simulated_tau_chain"] <= 4.0
     assert_class_top1_adds_up(evals[-1], "eval/top1_step1")
-    assert json.loads((out / "final" / "config.json").read_text())["head_type"] == kind
+    assert json.loads((out / "final" / "config.json").read_text())["kind"] == kind
 
     from specheads.inference import Engine
     from specheads.inference.methods import METHODS, make_proposer
@@ -147,7 +147,7 @@ def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_input
     losses = train_losses(out)
     assert sum(losses[s] for s in (18, 19, 20)) < 0.9 * sum(losses[s] for s in (1, 2, 3)), losses
     cfg = json.loads((out / "final" / "config.json").read_text())
-    assert cfg["head_type"] == "medusa" and cfg["config"]["tree"], cfg
+    assert cfg["kind"] == "medusa" and cfg["config"]["tree"], cfg
     assert_class_top1_adds_up(next(r for r in metrics(out) if "eval/top1_head0" in r), "eval/top1_head0")
 
     from specheads.inference import Engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specheads.inference.proposers.medusa import MEDUSA_TREES
-from specheads.trees import (
+from specheads.static_trees import (
     TYPICAL_ACCURACIES,
     build_static_tree,
     expected_accept_length,
