@@ -65,7 +65,8 @@ def main() -> None:
         ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
         if n == 1:
             one = ms
-        print(f"{n:>5} " + " ".join(f"{ms[name]:>7.1f} ({ms[name] / one.get(name, ms[name]):.2f}x)" for name in layouts),
+        print(f"{n:>5} " + " ".join(f"{ms[name]:>7.1f} ({ms[name] / one.get(name, ms[name]):.2f}x)"
+                                    for name in layouts),
               flush=True)
 
 

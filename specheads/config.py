@@ -77,7 +77,8 @@ def build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     renamed = getattr(cls, "RENAMED", {})  # a ClassVar {old key: new key} on classes whose keys were renamed
     for key in data:
         if key in renamed and key not in types_:
-            raise ValueError(f"config key {prefix}{key} is now {prefix}{renamed[key]}; rename it in the config or override")
+            raise ValueError(f"config key {prefix}{key} is now {prefix}{renamed[key]}; "
+                             "rename it in the config or override")
         if key not in types_:
             raise _unknown_key(key, list(types_), prefix)
     kwargs = {k: _coerce(v, types_[k], prefix + k) for k, v in data.items()}

@@ -52,7 +52,8 @@ def packing_available() -> bool:
     try:
         w = torch.ones(16, 16, dtype=torch.bfloat16)
         y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=torch.bfloat16),
-                                               torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), None, "none", [], "")
+                                               torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS),
+                                               None, "none", [], "")
     except (RuntimeError, AttributeError):
         return False
     return bool((y == 16).all())
@@ -93,7 +94,8 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
-    def _apply(self, fn, recurse: bool = True):  # .to(), .float(), ...: the packed copy goes where the weight leaves bf16 CPU
+    # .to(), .float(), ...: the packed copy goes where the weight leaves bf16 CPU
+    def _apply(self, fn, recurse: bool = True):
         module = super()._apply(fn, recurse)
         if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":
             self.__dict__.pop("packed_weight", None)

@@ -32,8 +32,9 @@ def resolve_heads(path: str | os.PathLike) -> Path:
     try:
         return _snapshot(str(path), snapshot_download)
     except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as err:
-        raise ValueError(f"{path} is neither a local folder nor a Hub repo that could be fetched ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0]}); check the name, the network, or HF_HUB_OFFLINE with a cached copy") from None
+        raise ValueError(f"{path} is neither a local folder nor a Hub repo that could be fetched "
+                         f"({type(err).__name__}: {str(err).splitlines()[0]}); check the name, the network, "
+                         "or HF_HUB_OFFLINE with a cached copy") from None
 
 
 @functools.lru_cache(maxsize=16)

@@ -43,8 +43,8 @@ class Int8Matrix:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         _check_supported()
         if weight.device.type != "cpu":
-            raise ValueError(f"int8 drafters run on the CPU, but these heads are on {weight.device}; leave --draft-dtype "
-                             "at its default there")
+            raise ValueError(f"int8 drafters run on the CPU, but these heads are on {weight.device}; leave "
+                             "--draft-dtype at its default there")
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
         with warnings.catch_warnings():  # quantised tensor types are deprecated; int8_supported() guards their removal

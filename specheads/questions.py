@@ -38,7 +38,8 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one JSON object") from None
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); "
+                                 "each line must be one JSON object") from None
             turns = row.get("turns") if isinstance(row, dict) else None
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
                 raise ValueError(f"{path}:{lineno}: needs a non-empty list of strings under \"turns\"")
@@ -63,5 +64,5 @@ def check_distinct_ids(questions: list[Question], path: str | Path) -> None:
     for qid, n in Counter(q.question_id for q in questions).most_common(1):
         if n > 1:
             raise ValueError(f"question_id {qid!r} appears {n} times in {path}; question ids must be "
-                             "distinct (results and seeded random streams are keyed by them): give each copy its own id, "
-                             "or ask one question several times with generate --num-samples N")
+                             "distinct (results and seeded random streams are keyed by them): give each copy its own "
+                             "id, or ask one question several times with generate --num-samples N")

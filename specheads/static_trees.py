@@ -38,7 +38,8 @@ def _check_accuracies(accuracies: Sequence[Sequence[float]]) -> None:
         raise ValueError("accuracies must hold one non-empty row per head (accuracies[k][i] for head k's i-th choice)")
     bad = [(k, i, a) for k, row in enumerate(accuracies) for i, a in enumerate(row) if not 0.0 <= a <= 1.0]
     if bad:
-        raise ValueError(f"accuracies are probabilities in [0, 1]; got head {bad[0][0]} choice {bad[0][1]} = {bad[0][2]}")
+        raise ValueError("accuracies are probabilities in [0, 1]; "
+                         f"got head {bad[0][0]} choice {bad[0][1]} = {bad[0][2]}")
 
 
 def path_value(path: Sequence[int], accuracies: Sequence[Sequence[float]]) -> float:

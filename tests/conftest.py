@@ -94,7 +94,8 @@ def _verify_cost_cache(tmp_path_factory, monkeypatch):
 
 
 # A tree of 8 nodes costs 1.2 one-token steps, 32 nodes 1.8: trees pay when drafts are accepted at all.
-TEST_VERIFY_COST = VerifyCost(nodes=(1, 2, 4, 8, 16, 32, 64), seconds=(0.010, 0.0105, 0.011, 0.012, 0.014, 0.018, 0.026))
+TEST_VERIFY_COST = VerifyCost(nodes=(1, 2, 4, 8, 16, 32, 64),
+                              seconds=(0.010, 0.0105, 0.011, 0.012, 0.014, 0.018, 0.026))
 
 
 @pytest.fixture(autouse=True)

@@ -234,7 +234,8 @@ def _verify_keeping_a_rejected_draft(tree, target_logits, sampling, generator=No
     res = _real_verify(tree, target_logits, sampling, generator)
     if tree.size > 1 and res.num_accepted == 0:
         bonus = torch.multinomial(sampling.probs(target_logits[1].float()), 1, generator=generator)[0]
-        return VerifyResult(path=torch.tensor([0, 1]), tokens=torch.stack([tree.tokens[1], bonus.to(tree.tokens.device)]))
+        return VerifyResult(path=torch.tensor([0, 1]),
+                            tokens=torch.stack([tree.tokens[1], bonus.to(tree.tokens.device)]))
     return res
 
 
@@ -256,7 +257,8 @@ def check_sampling_preserves_the_target_distribution(kind: str, folder: Path, ro
     engine = Engine(target, proposer_for(kind, target, folder, options), max_rows=rows)
     law = exact_two_token_law(target, COUNTING_PROMPT, PARAMS)
     counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
-    assert accepted > SAMPLES // 4, f"{kind}: {accepted} draft tokens accepted in {SAMPLES} generations; too few to test"
+    assert accepted > SAMPLES // 4, (f"{kind}: {accepted} draft tokens accepted in {SAMPLES} generations; too few "
+                                     "to test")
     assert chi_square_p(counts, law) > 1e-3, (kind, counts)
     with patch.object(engine_mod, "verify", _verify_keeping_a_rejected_draft):
         broken, _ = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)

@@ -90,7 +90,8 @@ def kind_literals(*, own_files: bool = False) -> list[tuple[str, str, str]]:
             for node in ast.walk(tree):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
                     for name in KINDS.names():
-                        if (path.stem == name) == own_files and re.search(rf"(?<![\w-]){re.escape(name)}(?!\w)", node.value):
+                        if (path.stem == name) == own_files and re.search(rf"(?<![\w-]){re.escape(name)}(?!\w)",
+                                                                          node.value):
                             found.append((str(path.relative_to(ROOT)), name, node.value))
     return found
 

@@ -34,7 +34,8 @@ from tests.drafters import (
 def toy():
     toy_kind.register()
     DRAFTERS["toy"] = DrafterCase(
-        lambda target: perturbed(toy_kind.build_toy(toy_kind.ToyHeadsConfig(), target, None), scale=0.02).to(target.device),
+        lambda target: perturbed(toy_kind.build_toy(toy_kind.ToyHeadsConfig(), target, None),
+                                 scale=0.02).to(target.device),
         [{"lookup": 0}, {}])
     yield
     toy_kind.unregister()

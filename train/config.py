@@ -52,7 +52,7 @@ class TrainConfig:
     max_steps: int = 300  # optimizer steps
     seed: int = 0  # data order, initialisation and noise
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
-    init_heads: str | None = None  # start from these saved heads (a run's final/): more steps, or new data, on a fresh schedule
+    init_heads: str | None = None  # start from these saved heads (a run's final/) for more steps or new data
     report_to: str = "none"  # "none" or "wandb" (works with WANDB_MODE=offline)
     mixed_precision: str = "auto"  # "auto" (bf16 on CUDA and on CPUs with native bf16, else none), "no", "bf16", "fp16"
     log_every: int = 10  # steps between training-metric rows in metrics.jsonl

@@ -375,7 +375,8 @@ def tokenize_dataset(
     are counted in the log.
     """
     if "messages" not in ds.column_names:
-        raise ValueError(f"dataset has no 'messages' column (found: {ds.column_names}); load it with load_conversations")
+        raise ValueError(f"dataset has no 'messages' column (found: {ds.column_names}); load it with "
+                         "load_conversations")
     fn = functools.partial(_tokenize_row, tokenizer=tokenizer, max_length=max_length)
     out = ds.map(fn, remove_columns=ds.column_names, num_proc=num_proc if num_proc > 1 else None,
                  desc="tokenizing conversations")

@@ -138,7 +138,8 @@ def dflash_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
 
 
 @torch.no_grad()
-def dflash_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dflash_eval(head: torch.nn.Module, target: torch.nn.Module,
+                batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums over every anchor whose first drafted token counts: per-slot top-1 / top-k agreement with the target's
     full-vocabulary argmax, and the chain acceptance length (leading right slots, counted slots only). The keys of
     `chain_eval`, so `chain_eval_row` reports them."""

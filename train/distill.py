@@ -72,7 +72,8 @@ class DistillSettings:
         if self.parallel_k < 1:
             raise ValueError(f"drafter.parallel_k must be >= 1 (1: an ordinary drafter), got {self.parallel_k}")
         if not 0.0 < self.cod_keep_rate <= 1.0:
-            raise ValueError(f"drafter.cod_keep_rate must be in (0, 1] (1: no token dropping), got {self.cod_keep_rate}")
+            raise ValueError(f"drafter.cod_keep_rate must be in (0, 1] (1: no token dropping), "
+                             f"got {self.cod_keep_rate}")
         if not 0.0 <= self.on_policy_fraction <= 1.0:
             raise ValueError(f"drafter.on_policy_fraction must be in [0, 1] (the share of on-policy steps), "
                              f"got {self.on_policy_fraction}")
@@ -176,7 +177,8 @@ def with_placeholder(model: PreTrainedModel, spec: ParallelSpec) -> None:
 
 
 def with_drafter_lora(model: PreTrainedModel, lora: LoraSettings) -> nn.Module:
-    """`model` with LoRA adapters; a parallel drafter's placeholder embedding row, which starts untrained, trains too."""
+    """`model` with LoRA adapters; a parallel drafter's placeholder embedding row, which starts untrained, trains
+    too."""
     spec = parallel_spec(model.config)
     return with_lora(model, lora, trainable_token_indices=None if spec is None else [spec.mask_token_id])
 
@@ -204,7 +206,8 @@ def _scored(target: nn.Module, drafter: nn.Module, batch: dict[str, torch.Tensor
     device = batch["input_ids"].device
     rows, slots = layout.keep.nonzero(as_tuple=True)  # row-major: the order `Drafter` returns kept logits in
     with torch.no_grad():
-        target_logits = target.get_output_embeddings()(features[rows.to(device), layout.label_position[rows, slots].to(device)])
+        target_logits = target.get_output_embeddings()(features[rows.to(device),
+                                                                 layout.label_position[rows, slots].to(device)])
     draft_logits = drafter(layout.input_ids.to(device), layout.attention.to(device), layout.keep.to(device),
                            layout.position_ids.to(device))
     return target_logits, draft_logits, layout.block[rows, slots]

@@ -66,5 +66,6 @@ def eagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[
 
 register_objective(Objective(
     name=KIND_NAME, kind=KIND_NAME, settings=EagleHeadsConfig, build=build_eagle, step_loss=eagle_step_loss,
-    eval_sums=chain_eval, eval_row=chain_eval_row, feature_layers=lambda settings, num_target_layers: settings.aux_layers,
+    eval_sums=chain_eval, eval_row=chain_eval_row,
+    feature_layers=lambda settings, num_target_layers: settings.aux_layers,
 ))

@@ -1,4 +1,4 @@
-"""The EAGLE-3 objective: the chain loss (`specheads.train.chain_loss`) with the draft head's own LM head and no feature term.
+"""The EAGLE-3 objective: the chain loss (`specheads.train.chain_loss`), the head's own LM head, no feature term.
 
 EAGLE-3 drafts tokens, not features: its loss is the soft cross-entropy of each unrolled draft step
 (training-time test) against the target's distribution over the draft vocabulary, step k weighted

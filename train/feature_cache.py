@@ -94,7 +94,8 @@ def write_feature_cache(
     flush()
     # The index goes last: a cache without it is incomplete and gets rebuilt.
     tmp = out / "index.json.tmp"
-    tmp.write_text(json.dumps({"hidden_size": hidden, "aux_layers": aux_layers, "dtype": dtype, "fingerprint": fp, "examples": examples}))
+    tmp.write_text(json.dumps({"hidden_size": hidden, "aux_layers": aux_layers, "dtype": dtype, "fingerprint": fp,
+                               "examples": examples}))
     os.replace(tmp, index_path)
     return out
 
@@ -106,7 +107,8 @@ class FeatureCache:
         self.path = Path(path)
         index_path = self.path / "index.json"
         if not index_path.is_file():
-            raise ValueError(f"no feature cache in {self.path} (index.json missing); run with features=offline to build it")
+            raise ValueError(f"no feature cache in {self.path} (index.json missing); run with features=offline to "
+                             "build it")
         index = json.loads(index_path.read_text())
         self.examples: list[list[int]] = index["examples"]
         self.hidden_size: int = index["hidden_size"]
@@ -124,7 +126,8 @@ class FeatureCache:
         return self._files[shard].get_slice("features")[offset : offset + length]
 
 
-def collate_with_features(examples: Sequence[Mapping[str, Any]], pad_id: int, cache: FeatureCache) -> dict[str, torch.Tensor]:
+def collate_with_features(examples: Sequence[Mapping[str, Any]], pad_id: int,
+                          cache: FeatureCache) -> dict[str, torch.Tensor]:
     """`collate` plus `features` [B, T, D] (fp32, zeros on padding) read from the cache by example `row` index."""
     batch = collate(examples, pad_id)
     b, t = batch["input_ids"].shape

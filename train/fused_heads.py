@@ -19,7 +19,7 @@ class FusedHeadsConfig:
     """The `heads:` keys of every head that fuses target layers through `fc` (eagle3, peagle, dflash)."""
 
     num_layers: int = 1  # decoder layers in the head (eagle3's first reads cat(embedding, fused features))
-    aux_layers: tuple[int, ...] | None = None  # target hidden_states fused by fc; None: 2, L//2, L-3 (speculators' default)
+    aux_layers: tuple[int, ...] | None = None  # target hidden_states fused by fc; None: 2, L//2, L-3 as speculators
     feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
 
     def __post_init__(self) -> None:

@@ -24,7 +24,8 @@ from specheads.train.config import OptimConfig, TrainConfig
 from specheads.train.objective import Objective
 
 AUTO = "auto"  # a DeepSpeed-config value accelerate fills from the prepared objects
-SHARDING_FIX = "use configs/accelerate/deepspeed_zero2.yaml (shards the drafter's gradients and optimizer state) or multi_gpu_ddp.yaml"
+SHARDING_FIX = ("use configs/accelerate/deepspeed_zero2.yaml (shards the drafter's gradients and optimizer state) or "
+                "multi_gpu_ddp.yaml")
 ZERO3_FIX = "configs/accelerate/deepspeed_zero3.yaml (for a distill recipe)"
 
 
@@ -37,7 +38,8 @@ def check_deepspeed_config(ds_config: MutableMapping[str, Any], optim: OptimConf
     for section in ("optimizer", "scheduler"):
         if section in ds_config:
             raise ValueError(f"the DeepSpeed config defines '{section}', but the recipe builds its own (AdamW with a "
-                             f"cosine schedule, set in optim:); remove the '{section}' section from the DeepSpeed config")
+                             f"cosine schedule, set in optim:); remove the '{section}' section from the DeepSpeed "
+                             "config")
     expected = {
         "train_micro_batch_size_per_gpu": (optim.batch_size, "optim.batch_size"),
         "gradient_accumulation_steps": (optim.grad_accum, "optim.grad_accum"),
@@ -47,17 +49,17 @@ def check_deepspeed_config(ds_config: MutableMapping[str, Any], optim: OptimConf
     }
     for key, (want, source) in expected.items():
         if ds_config.get(key, AUTO) not in (AUTO, want):
-            raise ValueError(f"the DeepSpeed config sets {key}={ds_config[key]}, but the recipe's {source} gives {want}; "
-                             f"remove {key} from the accelerate config's deepspeed_config (in a DeepSpeed json: set it "
-                             "to \"auto\") and set it in the recipe's optim: section")
+            raise ValueError(f"the DeepSpeed config sets {key}={ds_config[key]}, but the recipe's {source} gives "
+                             f"{want}; remove {key} from the accelerate config's deepspeed_config (in a DeepSpeed "
+                             "json: set it to \"auto\") and set it in the recipe's optim: section")
     ds_config["gradient_clipping"] = optim.max_grad_norm
 
 
 def check_partitioned(objective: Objective, settings: object) -> None:
     """Raise ValueError, naming the fix, if the objective's module cannot train partitioned (ZeRO-3)."""
     if objective.check_partitioned is None:
-        raise ValueError(f"DeepSpeed ZeRO-3 partitions the trained model, but the {objective.name} recipe's heads share "
-                         f"the frozen target's modules, which stay whole; {SHARDING_FIX}")
+        raise ValueError(f"DeepSpeed ZeRO-3 partitions the trained model, but the {objective.name} recipe's heads "
+                         f"share the frozen target's modules, which stay whole; {SHARDING_FIX}")
     objective.check_partitioned(settings)
 
 

@@ -22,7 +22,8 @@ TREE_NODES = 16  # verify budget of the static tree stored with the heads (CPU-f
 class MedusaHeadsConfig:
     """The `heads:` section of a medusa recipe."""
 
-    RENAMED: ClassVar[dict[str, str]] = {"medusa_heads": "num_heads", "medusa_layers": "num_layers", "medusa_decay": "decay"}
+    RENAMED: ClassVar[dict[str, str]] = {"medusa_heads": "num_heads", "medusa_layers": "num_layers",
+                                         "medusa_decay": "decay"}
 
     num_heads: int = 4  # K: head k guesses the token k + 2 positions ahead
     num_layers: int = 1  # residual blocks per head
@@ -31,7 +32,8 @@ class MedusaHeadsConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
-            raise ValueError(f"heads.num_heads and heads.num_layers must be >= 1, got {self.num_heads}, {self.num_layers}")
+            raise ValueError(f"heads.num_heads and heads.num_layers must be >= 1, got {self.num_heads}, "
+                             f"{self.num_layers}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"heads.decay must be in (0, 1], got {self.decay}")
 

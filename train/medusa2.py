@@ -68,9 +68,11 @@ class Medusa2Settings(MedusaHeadsConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.heads_lr_multiplier > 0:
-            raise ValueError(f"heads.heads_lr_multiplier must be > 0 (1: the adapters' rate), got {self.heads_lr_multiplier}")
+            raise ValueError(f"heads.heads_lr_multiplier must be > 0 (1: the adapters' rate), "
+                             f"got {self.heads_lr_multiplier}")
         if self.heads_only_steps < 0:
-            raise ValueError(f"heads.heads_only_steps must be >= 0 (0: joint from the start), got {self.heads_only_steps}")
+            raise ValueError(f"heads.heads_only_steps must be >= 0 (0: joint from the start), "
+                             f"got {self.heads_only_steps}")
         if self.distill_weight < 0:
             raise ValueError(f"heads.distill_weight must be >= 0 (0: no self-distillation), got {self.distill_weight}")
 
@@ -103,7 +105,8 @@ class Medusa2Module(nn.Module):
         return {name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
     def adapted_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # [B, T, H]
-        out = decoder_of(self.model.get_base_model())(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = decoder_of(self.model.get_base_model())(input_ids=input_ids, attention_mask=attention_mask,
+                                                      use_cache=False)
         return out.last_hidden_state
 
     def forward(

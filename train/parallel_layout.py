@@ -61,7 +61,8 @@ def parallel_layout(
         sees_context = real[None, :] & (key_anchor <= query_anchor)
         sees_own_masks = ~real[None, :] & (key_anchor == query_anchor) & (block[None, :] <= block[:, None])
         attention[b, 0, :n, :n] = sees_context | sees_own_masks
-    return ParallelLayout(input_ids=ids, position_ids=positions, attention=attention, label_position=labels, block=blocks)
+    return ParallelLayout(input_ids=ids, position_ids=positions, attention=attention, label_position=labels,
+                          block=blocks)
 
 
 def _row(ids: torch.Tensor, real: torch.Tensor, labelled: torch.Tensor, k: int, keep_rate: float,

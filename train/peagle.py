@@ -134,7 +134,8 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
 
 
 @torch.no_grad()
-def block_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def block_eval(head: torch.nn.Module, target: torch.nn.Module,
+               batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sums over the batch's counted anchors, every anchor at every depth: per-depth top-1 / top-k agreement of the
     draft (over its vocabulary) with the target's full-vocabulary argmax, and the chain acceptance length (leading
     depths right). The keys of `chain_eval`, so `chain_eval_row` reports them."""

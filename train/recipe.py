@@ -65,10 +65,12 @@ def _offline_collates(cfg: TrainConfig, objective: Objective, accelerator: Accel
     with accelerator.main_process_first(), accelerator.autocast():
         if accelerator.is_main_process:
             for name, ds in (("train", train_ds), ("eval", eval_ds)):
-                write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target, dtype=cfg.feature_dtype,
-                                    aux_layers=objective.feature_layers(cfg.heads, target.config.get_text_config().num_hidden_layers))
+                write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target,
+                                    dtype=cfg.feature_dtype, aux_layers=objective.feature_layers(
+                                        cfg.heads, target.config.get_text_config().num_hidden_layers))
     train_cache, eval_cache = FeatureCache(root / "train"), FeatureCache(root / "eval")
-    return (lambda ex: collate_with_features(ex, pad, train_cache)), (lambda ex: collate_with_features(ex, pad, eval_cache))
+    return ((lambda ex: collate_with_features(ex, pad, train_cache)),
+            (lambda ex: collate_with_features(ex, pad, eval_cache)))
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -133,8 +135,8 @@ def init_from_heads(head: torch.nn.Module, path: str, kind: str, target: torch.n
     try:
         missing, unexpected = head.load_state_dict(state, strict=False)
     except RuntimeError as err:  # a shape mismatch
-        raise ValueError(f"init_heads={path} does not fit the heads this config builds ({str(err).splitlines()[-1].strip()}); "
-                         "use the heads settings it was trained with") from err
+        raise ValueError(f"init_heads={path} does not fit the heads this config builds "
+                         f"({str(err).splitlines()[-1].strip()}); use the heads settings it was trained with") from err
     if unexpected or trainable & set(missing):
         raise ValueError(f"init_heads={path} does not fit the heads this config builds (missing "
                          f"{sorted(trainable & set(missing))[:3]}, unexpected {sorted(unexpected)[:3]}); "
@@ -167,7 +169,8 @@ def train(cfg: TrainConfig) -> Path:
         (out / "config.yaml").write_text(yaml.safe_dump(train_config_dict(cfg), sort_keys=False), encoding="utf-8")
     accelerator.wait_for_everyone()
 
-    target, tokenizer = load_target(cfg.target, device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
+    target, tokenizer = load_target(cfg.target,
+                                    device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
     with accelerator.main_process_first():
         conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
                                                   skip_conversations=cfg.data.skip_conversations)
@@ -198,7 +201,8 @@ def train(cfg: TrainConfig) -> Path:
     optimizer = torch.optim.AdamW(objective.param_groups(head, cfg.optim.lr, cfg.heads), lr=cfg.optim.lr,
                                   weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95), fused=True)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
-    head, optimizer, loader, eval_loader, scheduler = accelerator.prepare(head, optimizer, loader, eval_loader, scheduler)
+    head, optimizer, loader, eval_loader, scheduler = accelerator.prepare(head, optimizer, loader, eval_loader,
+                                                                          scheduler)
 
     step, epoch, batches_done = 0, 0, 0
     if resume_from is not None:
@@ -207,7 +211,8 @@ def train(cfg: TrainConfig) -> Path:
         step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
         log.info("resumed from %s at step %d", resume_from, step)
     if cfg.report_to == "wandb":
-        accelerator.init_trackers("specheads", config=train_config_dict(cfg), init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
+        accelerator.init_trackers("specheads", config=train_config_dict(cfg),
+                                  init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
 
     metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if accelerator.is_main_process else None
 
@@ -275,7 +280,8 @@ def train(cfg: TrainConfig) -> Path:
                 mean = accelerator.reduce(local, reduction="mean").tolist()
                 row = {"step": step, **dict(zip(["loss", *stats], mean)), "lr": scheduler.get_last_lr()[0]}
                 elapsed = time.perf_counter() - window_start
-                emit({**row, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9), "epoch": epoch})
+                emit({**row, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9),
+                      "epoch": epoch})
                 bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}")
                 tokens_seen, window_start = 0, time.perf_counter()
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
@@ -319,7 +325,8 @@ def held_out_prompts(eval_ds, n: int) -> list[list[int]]:
     return prompts
 
 
-def measured_tau(cfg: TrainConfig, objective: Objective, target, tokenizer, eval_ds, heads_dir: Path) -> dict[str, float]:
+def measured_tau(cfg: TrainConfig, objective: Objective, target, tokenizer, eval_ds,
+                 heads_dir: Path) -> dict[str, float]:
     """τ of the saved drafter decoding held-out prompts, through the same loader and runner as `specheads bench`."""
     method = METHODS.get(objective.kind)  # the kind's decoding method carries its name
 

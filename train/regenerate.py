@@ -82,7 +82,8 @@ def regenerate_batch(
         device = next(model.parameters()).device
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=top_p)
+        sampling = (dict(do_sample=False) if temperature == 0
+                    else dict(do_sample=True, temperature=temperature, top_p=top_p))
         gen = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                              eos_token_id=stop_ids, pad_token_id=pad, **sampling)
         for row, c in enumerate(owners):

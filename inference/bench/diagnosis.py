@@ -185,7 +185,8 @@ def diagnosis_markdown(summaries: dict[str, Diagnosis], decode) -> str:
               "|---|" + "---|" * deepest]
     for method, d in summaries.items():
         lines.append(f"| {method} | " + " | ".join(str(d.by_position.get(p, 0)) for p in range(1, deepest + 1)) + " |")
-    lines += ["", "Most rejected target tokens (acceptance rate: accepted drafts of the token over accepted and rejected):",
+    lines += ["",
+              "Most rejected target tokens (acceptance rate: accepted drafts of the token over accepted and rejected):",
               "", "| method | token | class | rejected | accepted | acceptance rate |", "|---|---|---|---|---|---|"]
     for method, d in summaries.items():
         for t in d.most_rejected:
@@ -236,6 +237,7 @@ def diagnosis_tables(summaries: dict[str, Diagnosis], decode) -> dict[str, tuple
               for m, d in summaries.items() for t in d.most_rejected]
     return {"diagnosis_stopped_on": (["method", "steps", *TOKEN_CLASSES, "ran_out"], stopped),
             "diagnosis_acceptance": (["method", *TOKEN_CLASSES],
-                                     [[m, *(d.acceptance.get(k) for k in TOKEN_CLASSES)] for m, d in summaries.items()]),
+                                     [[m, *(d.acceptance.get(k) for k in TOKEN_CLASSES)]
+                                      for m, d in summaries.items()]),
             "diagnosis_rows": (["method", "category", "position", "target_class", "steps"], rows),
             "diagnosis_tokens": (["method", "token", "class", "rejected", "accepted", "acceptance_rate"], tokens)}

@@ -93,7 +93,8 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
             example = list(m.trees)[-1] if m.trees else "TREE"
             raise ValueError(f"{name}: write {method}:DIR@TREE, e.g. {method}:runs/x/final@{example}")
     if m.arg is not None and not arg:
-        raise ValueError(f"{name}: {method} needs a path before its suffixes: {method}:{m.arg_hint}[@TREE][+OPTION=VALUE]")
+        raise ValueError(f"{name}: {method} needs a path before its suffixes: "
+                         f"{method}:{m.arg_hint}[@TREE][+OPTION=VALUE]")
     try:
         values = {key: m.parse_option(key, text) for key, text in settings.items()}
         options = m.make_options({**values, "tree": tree, **({m.arg: arg} if m.arg else {})})

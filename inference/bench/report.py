@@ -21,7 +21,8 @@ PLOTS = ("speedup_by_category.png", "tau_histogram.png", "accept_per_position.pn
 class BenchReport:
     overall: list[MethodSummary]  # one row per method, category "all"
     by_category: list[MethodSummary]  # one row per (category, method)
-    mismatches: list[dict]  # greedy outputs that differ from ar's: method, question_id, turn, first_mismatch, margin_fp32
+    mismatches: list[dict]  # greedy outputs that differ from ar's: method, question_id, turn, first_mismatch,
+    # margin_fp32
     config: dict = field(default_factory=dict)  # what was run (target, methods, sampling, versions, ...)
 
 
@@ -93,7 +94,8 @@ def _margin_text(m: dict) -> str:
 
 
 def mismatch_summary(mismatches: list[dict]) -> str:
-    """One line: how many outputs left ar's, and the largest fp32 margin at which one did (the exactness rule's test)."""
+    """One line: how many outputs left ar's, and the largest fp32 margin at which one did
+    (the exactness rule's test)."""
     margins = [m["margin_fp32"] for m in mismatches if m.get("margin_fp32") is not None]
     line = f"{len(mismatches)} greedy outputs differ from ar's"
     if margins:
@@ -147,7 +149,8 @@ def write_plots(report: BenchReport, records: list[Record], out_dir: Path) -> li
     for j, m in enumerate(methods):
         xs = [i + j * width for i in range(len(cats))]
         ax.bar(xs, [(key(rows[c, m]) or 0.0) if (c, m) in rows else 0.0 for c in cats], width, label=m)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], [c or "(none)" for c in cats], rotation=30, ha="right")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], [c or "(none)" for c in cats],
+                  rotation=30, ha="right")
     if base:
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_ylabel(f"speedup vs {base}" if base else "tokens/s")
@@ -238,7 +241,8 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
                                        "ttft_s", "matches_ar", "first_mismatch", "margin_fp32"],
                               data=[[str(r["question_id"]), r["category"], r["turn"], r["method"],
                                      r["stats"]["new_tokens"], r["stats"]["tokens_per_s"], r["stats"]["tau"],
-                                     r["stats"]["ttft_s"], r["matches_ar"], r["first_mismatch"], r["margin_fp32"]] for r in rows])
+                                     r["stats"]["ttft_s"], r["matches_ar"], r["first_mismatch"], r["margin_fp32"]]
+                                    for r in rows])
         log: dict = {"bench/summary": summary, "bench/results": results}
         for metric in ("speedup_vs_ar", "speedup_vs_hf", "tau", "tokens_per_s"):
             data = [[s.method, getattr(s, metric)] for s in report.overall if getattr(s, metric) is not None]
@@ -250,7 +254,8 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
             depth = max(len(s.accept_per_position) for s in curves)
             log["bench/chart_accept_per_position"] = wandb.plot.line_series(
                 xs=list(range(1, depth + 1)), keys=[s.method for s in curves], title="per-position acceptance",
-                xname="position", ys=[s.accept_per_position + [0.0] * (depth - len(s.accept_per_position)) for s in curves])
+                xname="position",
+                ys=[s.accept_per_position + [0.0] * (depth - len(s.accept_per_position)) for s in curves])
         for path in plots:
             if path.suffix == ".png":
                 log[f"bench/plot_{path.stem}"] = wandb.Image(str(path))

@@ -143,7 +143,8 @@ class Record:
     measures_tau: bool = True  # False for HF baselines: τ and acceptance are unknown, not 0
     matches_ar: bool | None = None  # greedy runs only
     first_mismatch: int | None = None  # first output position that differs from ar's
-    margin_fp32: float | None = None  # there, the target's fp32 logit gap between ar's token and this one (divergence.py)
+    margin_fp32: float | None = None  # there, the target's fp32 logit gap between ar's token and this one
+    # (divergence.py)
 
 
 def run_bench(
@@ -176,8 +177,8 @@ def run_bench(
         if log is not None:
             log.category = q.category
         # Every method draws with the question's own seed, so methods compare on equal randomness.
-        return runners[name].generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling.for_draw(q.question_id, turn),
-                                      stop_token_ids=stop_token_ids)
+        return runners[name].generate(prompt, max_new_tokens=max_new_tokens,
+                                      sampling=sampling.for_draw(q.question_id, turn), stop_token_ids=stop_token_ids)
 
     for q in questions[:warmup]:
         for name in runners:

@@ -19,7 +19,8 @@ COMMANDS = {c.NAME: c for c in (train, generate, bench, serve, calibrate, loadte
 
 def _parser(full: Iterable[str]) -> argparse.ArgumentParser:
     """Every subcommand with its one-line help; those named in `full` with their arguments too."""
-    parser = argparse.ArgumentParser(prog="specheads", description="Speculative-decoding drafters for a frozen target LLM.")
+    parser = argparse.ArgumentParser(prog="specheads",
+                                     description="Speculative-decoding drafters for a frozen target LLM.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     full = set(full)
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == train.NAME:
         parser.error("put train first: specheads train CONFIG.yaml [key=value ...]")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, OSError) as err:

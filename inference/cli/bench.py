@@ -40,9 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wandb: also log tables and charts as a W&B run (works with WANDB_MODE=offline)")
     p.add_argument("--wandb-project", help="W&B project (default: $WANDB_PROJECT or 'specheads')")
     p.add_argument("--diagnose", action="store_true",
-                   help="also record where drafts are rejected: by draft position, by the class of the target's token "
-                        "(whitespace, punctuation, structural, digits, word, end of turn) and by category, with the most "
-                        "rejected tokens (diagnosis.json, tables in summary.md, diagnosis.png)")
+                   help="also record where drafts are rejected: by draft position, by the class of the target's "
+                        "token (whitespace, punctuation, structural, digits, word, end of turn) and by category, with "
+                        "the most rejected tokens (diagnosis.json, tables in summary.md, diagnosis.png)")
 
 
 def run(args: argparse.Namespace) -> None:

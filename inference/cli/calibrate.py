@@ -21,10 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "expect)",
                          per_category_default=2, per_category_help="first N questions of every category (default 2)")
     p.add_argument("--batch-sizes", type=shared.int_list, default=[1, 2, 4, 8, 16], metavar="B,B,...",
-                   help="batch sizes to measure (default 1,2,4,8,16; serve's --max-batch should not exceed the largest)")
+                   help="batch sizes to measure (default 1,2,4,8,16; serve's --max-batch should not exceed the "
+                        "largest)")
     p.add_argument("--steps", type=int, default=24, help="timed steps per run (default 24)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="the fewest runs of each mode per batch size; more where needed to cover every prompt (default 3)")
+                   help="the fewest runs of each mode per batch size; more where needed to cover every prompt "
+                        "(default 3)")
     shared.add_output(p, required=True, help="the JSON file to write")
     shared.add_model_settings(p)
 

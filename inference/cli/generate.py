@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_sampling(p, seed_help="reproducible sampling: each question, turn and sample draws from its own "
                                      "stream derived from (seed, question_id, turn, sample)")
     p.add_argument("--num-samples", type=int, default=1, metavar="N",
-                   help="draw N answers per question (or prompt), recorded with their sample index; needs --temperature > 0")
+                   help="draw N answers per question (or prompt), recorded with their sample index; "
+                        "needs --temperature > 0")
     shared.add_model_settings(p)
     shared.add_output(p, help="write one JSON object per answer to this JSONL file")
 
@@ -87,8 +88,8 @@ def run(args: argparse.Namespace) -> None:
     finally:
         if out_file is not None:
             out_file.close()
-    print(f"{args.method}: {len(questions)} questions x {args.num_samples} samples, mean tau {sum(taus) / len(taus):.3f}, "
-          f"mean {sum(speeds) / len(speeds):.2f} tok/s", file=sys.stderr)
+    print(f"{args.method}: {len(questions)} questions x {args.num_samples} samples, "
+          f"mean tau {sum(taus) / len(taus):.3f}, mean {sum(speeds) / len(speeds):.2f} tok/s", file=sys.stderr)
 
 
 def _open_output(path: Path | None):

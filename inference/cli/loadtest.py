@@ -39,14 +39,16 @@ def run(args: argparse.Namespace) -> None:
     if args.requests < 1 or args.max_tokens < 1:
         raise ValueError("--requests and --max-tokens must be >= 1")
     prompts = [q.turns[0] for q in load_questions(args.questions, per_category=args.per_category)]
-    results = loadtest(servers, prompts, concurrency=args.concurrency, requests=lambda c: max(len(prompts), args.requests * c),
+    results = loadtest(servers, prompts, concurrency=args.concurrency,
+                       requests=lambda c: max(len(prompts), args.requests * c),
                        max_tokens=args.max_tokens, api_key=args.api_key or os.environ.get("SPECHEADS_API_KEY"),
                        progress=lambda what: print(what, file=sys.stderr, flush=True))
     print(f"{'server':<10} {'conc':>4} {'req/s':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6} {'ttft p50':>8} "
           f"{'ttft p99':>8} {'failed':>6}")
     for r in results:
         print(f"{r.label:<10} {r.concurrency:>4} {r.requests_per_s:>6.3f} {r.output_tokens_per_s:>7.2f} "
-              f"{r.latency_p50_s:>6.2f} {r.latency_p99_s:>6.2f} {r.ttft_p50_s:>8.2f} {r.ttft_p99_s:>8.2f} {r.failed:>6}")
+              f"{r.latency_p50_s:>6.2f} {r.latency_p99_s:>6.2f} {r.ttft_p50_s:>8.2f} "
+              f"{r.ttft_p99_s:>8.2f} {r.failed:>6}")
     problems = mismatches(results)
     for line in problems:
         print(f"mismatch: {line}", file=sys.stderr)

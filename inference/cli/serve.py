@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds from arrival (queueing included) after which a request ends with finish_reason "
                         "'timeout' (default 600)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413 (default 1 MiB)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="larger request bodies get HTTP 413 (default 1 MiB)")
     p.add_argument("--speculation", choices=("on", "off", "adaptive"),
                    help="on: every step drafts; off: every step is plain; adaptive: draft only where this machine's "
                         "calibration says it pays, by batch size and each request's acceptance (needs --calibration). "

@@ -22,7 +22,8 @@ def answer(engine: Engine, tokenizer: PreTrainedTokenizerBase, turns: Sequence[s
     result = None
     for i in range(num_turns):
         ids = render_chat(tokenizer, list(turns[: i + 1]), history)
-        result = engine.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling.for_draw(question_id, i + 1, sample),
+        result = engine.generate(ids, max_new_tokens=max_new_tokens,
+                                 sampling=sampling.for_draw(question_id, i + 1, sample),
                                  stop_token_ids=stop_token_ids, on_tokens=on_tokens if i == num_turns - 1 else None)
         history.append(tokenizer.decode(result.output_ids, skip_special_tokens=True))
     assert result is not None, "num_turns >= 1"

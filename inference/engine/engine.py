@@ -127,7 +127,8 @@ def check_tree_attention(model: PreTrainedModel) -> None:
     except (TypeError, ValueError, RuntimeError) as err:
         raise ValueError(
             f"{type(model).__name__} cannot run tree verification (4-D attention mask with explicit "
-            f"position_ids): {err}. Use a model whose attention accepts custom masks (e.g. attn_implementation='sdpa' or 'eager')"
+            f"position_ids): {err}. Use a model whose attention accepts custom masks "
+            "(e.g. attn_implementation='sdpa' or 'eager')"
         ) from err
     tol = 1e-3 if model.dtype == torch.float32 else 5e-2
     scale = ref_logits.abs().max().clamp(min=1.0)
@@ -151,7 +152,8 @@ def check_proposal(tree: DraftTree, ctx: ProposalContext, vocab_size: int) -> No
                          f"{int(ctx.tokens[-1])}")
     low, high = int(tree.tokens.min()), int(tree.tokens.max())
     if low < 0 or high >= vocab_size:
-        raise ValueError(f"the tree holds token ids in [{low}, {high}], outside the target's vocabulary of {vocab_size}")
+        raise ValueError(f"the tree holds token ids in [{low}, {high}], outside the target's vocabulary of "
+                         f"{vocab_size}")
 
 
 @dataclass

@@ -82,7 +82,8 @@ class Method:
         try:
             return kind(text)
         except ValueError:
-            raise ValueError(f"{flag(name)} takes {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+            raise ValueError(f"{flag(name)} takes {'an integer' if kind is int else 'a number'}, "
+                             f"got {text!r}") from None
 
     def heads_alone(self, path: str) -> Any:
         """Options for the drafter saved at `path` with nothing grafted on and its whole trees verified (what
@@ -120,7 +121,8 @@ def option_flags() -> list[OptionFlag]:
             kind = _scalar(hints[f.name], f"{name}.{f.name}")
             known_kind, helps = seen.setdefault(f.name, (kind, {}))
             if known_kind is not kind:
-                raise TypeError(f"option {f.name!r} is {known_kind.__name__} in one method, {kind.__name__} in {name!r}")
+                raise TypeError(f"option {f.name!r} is {known_kind.__name__} in one method, "
+                                f"{kind.__name__} in {name!r}")
             helps.setdefault(f.metadata.get("help", ""), []).append(name)
     return [OptionFlag(n, kind, "; ".join(f"{', '.join(ms)}: {h}" for h, ms in helps.items()))
             for n, (kind, helps) in seen.items()]

@@ -6,6 +6,7 @@ from specheads.inference.methods import Method, register_method
 from specheads.inference.methods.options import NoOptions
 
 METHOD = register_method(Method(
-    name="ar", summary="plain autoregressive decoding in the same engine (the baseline speculation is measured against)",
+    name="ar",
+    summary="plain autoregressive decoding in the same engine (the baseline speculation is measured against)",
     options=NoOptions, build="specheads.inference.engine.proposer:build_autoregressive",
 ))

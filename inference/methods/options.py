@@ -25,8 +25,9 @@ class NoOptions:
 
 
 NODE_BUDGETS = ("auto", "fixed")  # the first is the default
-NODE_BUDGET_HELP = (f"{', '.join(NODE_BUDGETS)}: per step verify only the drafted nodes worth their verify cost on this "
-                    "machine (default; the cost curve is measured once, a few seconds, and cached), or the whole tree")
+NODE_BUDGET_HELP = (f"{', '.join(NODE_BUDGETS)}: per step verify only the drafted nodes worth their verify cost on "
+                    "this machine (default; the cost curve is measured once, a few seconds, and cached), "
+                    "or the whole tree")
 
 
 def check_node_budget(choice: str | None) -> None:
@@ -35,8 +36,8 @@ def check_node_budget(choice: str | None) -> None:
 
 
 DRAFT_DTYPES = ("target", "int8")  # a drafter's weights: as loaded (the target's dtype) or int8
-DRAFT_DTYPE_HELP = (f"{', '.join(DRAFT_DTYPES)}: the drafter's weights as loaded (default) or int8 (CPU: drafting reads a "
-                    "quarter of the bytes; outputs stay exact)")
+DRAFT_DTYPE_HELP = (f"{', '.join(DRAFT_DTYPES)}: the drafter's weights as loaded (default) or int8 "
+                    "(CPU: drafting reads a quarter of the bytes; outputs stay exact)")
 
 
 def check_draft_dtype(draft_dtype: str | None) -> None:

@@ -29,7 +29,8 @@ class ContextVocabulary:
                  int8: bool = False) -> None:
         """`lm_weight` [V, H] is the target's LM head; `draft_ids` [Vd] the head's sorted draft vocabulary
         (None: the whole vocabulary, nothing to add). With `enabled=False` only the draft vocabulary is scored.
-        With `int8` the draft vocabulary's rows are scored in int8 (`specheads/int8.py`); added rows stay as they are."""
+        With `int8` the draft vocabulary's rows are scored in int8 (`specheads/int8.py`); added rows stay as
+        they are."""
         self._lm_weight = lm_weight
         self._base_ids = draft_ids
         self._base_weight = lm_weight if draft_ids is None else lm_weight[draft_ids]  # [Vd, H], gathered once
@@ -103,7 +104,8 @@ class ContextVocabulary:
         extra = base.new_full((b, n, width), float("-inf"))
         for i, v in enumerate(vocabs):
             if v._extra_ids.numel():
-                extra[i, :, : v._extra_ids.numel()] = (v._extra_weight @ hidden[i].to(v._extra_weight.dtype).T).T.float()
+                extra[i, :, : v._extra_ids.numel()] = (v._extra_weight
+                                                       @ hidden[i].to(v._extra_weight.dtype).T).T.float()
         return torch.cat([base, extra], dim=-1)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into logits' last dim -> token ids

@@ -70,7 +70,8 @@ class DraftModelProposer:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         assert self._cache is not None, "start() must be called before propose()"
         out = self.model(**cache_kwargs(self.model, self._cache), input_ids=tokens[None].to(self.device),
-                         position_ids=positions[None].to(self.device), attention_mask=mask, logits_to_keep=tokens.shape[0])
+                         position_ids=positions[None].to(self.device), attention_mask=mask,
+                         logits_to_keep=tokens.shape[0])
         return out.logits[0]
 
     @torch.inference_mode()
@@ -163,7 +164,8 @@ def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedMode
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
-    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype, attn_implementation=target.config._attn_implementation)
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype,
+                                             attn_implementation=target.config._attn_implementation)
     state = {k: v for k, v in target.state_dict().items()
              if (m := _LAYER_KEY.search(k)) is None or int(m.group(2)) < num_layers}
     missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
@@ -179,7 +181,8 @@ def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreT
         check_parallel_vocabulary(draft, spec, vocab_size(target))
     else:
         check_vocab_size(draft, vocab_size(target))
-    if target_tokenizer is not None and draft_tokenizer is not None and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+    if (target_tokenizer is not None and draft_tokenizer is not None
+            and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab()):
         raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "
                          "use a draft model from the target's family")
 

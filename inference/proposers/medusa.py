@@ -52,14 +52,16 @@ class MedusaProposer:
         depth = tree_depth(paths)
         if depth > heads.num_heads:
             raise ValueError(f"the tree is {depth} deep but the checkpoint has {heads.num_heads} medusa heads; "
-                             f"use a tree at most {heads.num_heads} deep (a tree file with fewer levels) or heads trained with more")
+                             f"use a tree at most {heads.num_heads} deep (a tree file with fewer levels) or heads "
+                             "trained with more")
         self.heads = heads.eval()
         self.paths = paths
         self.depth = depth
         self.k_max = max(p[-1] for p in paths) + 1
         vocab = heads.config.scored_vocab_size
         if self.k_max > vocab:
-            raise ValueError(f"the tree asks for choice {self.k_max - 1} but the vocabulary has {vocab} tokens; use a narrower tree")
+            raise ValueError(f"the tree asks for choice {self.k_max - 1} but the vocabulary has {vocab} tokens; "
+                             "use a narrower tree")
         node_of = {(): 0}
         parents = [-1]
         for i, p in enumerate(paths):

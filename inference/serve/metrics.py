@@ -41,7 +41,8 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.running = gauge("num_requests_running", "Requests being decoded")
         self.waiting = gauge("num_requests_waiting", "Requests queued")
-        self.enabled = gauge("spec_decode_enabled", "1 while steps at the current batch size may draft (speculation on, or adaptive and paying), else 0")
+        self.enabled = gauge("spec_decode_enabled", "1 while steps at the current batch size may draft "
+                             "(speculation on, or adaptive and paying), else 0")
         self.ttft = histogram("time_to_first_token_seconds", "From arrival to the first generated token")
         self.e2e = histogram("e2e_request_latency_seconds", "From arrival to the last generated token")
 

@@ -88,7 +88,8 @@ class ChatRequest(_Request):
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
 
 
 def create_app(service: GenerationService, tokenizer: Any, settings: ServerSettings) -> FastAPI:
@@ -286,7 +287,8 @@ class _Reply:
 
     def chunk(self, text: str | None, reason: str | None = None, *, first: bool = False) -> str:
         if self.chat:
-            delta = ({"role": "assistant", "content": ""} if first else {}) | ({} if text is None else {"content": text})
+            delta = (({"role": "assistant", "content": ""} if first else {})
+                     | ({} if text is None else {"content": text}))
             body = self._body("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": reason}])
         else:
             body = self._body("text_completion", [{"index": 0, "text": text or "", "logprobs": None,

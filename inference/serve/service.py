@@ -2,10 +2,11 @@
 
 The server (`server.py`) turns HTTP requests into `Job`s and hands them here; the worker decodes them as rows of
 the engine's batch (`Engine.add`/`step`, up to `engine.max_rows` at once, joining and leaving between steps), so
-each answer is exactly what `specheads generate` gives for the same prompt and sampling. A job ends at a stop token, its token limit, its deadline
-(`request_timeout_s` from its arrival, queueing included: finish reason "timeout") or its cancellation (a client
-that left: "cancelled"), and its slot goes to the next job at once. A proposer that fails makes its step a plain
-step (`Engine` fallback): the request completes, the fallback counter moves and the error is logged once per reason.
+each answer is exactly what `specheads generate` gives for the same prompt and sampling. A job ends at a stop token,
+its token limit, its deadline (`request_timeout_s` from its arrival, queueing included: finish reason "timeout") or
+its cancellation (a client that left: "cancelled"), and its slot goes to the next job at once. A proposer that fails
+makes its step a plain step (`Engine` fallback): the request completes, the fallback counter moves and the error is
+logged once per reason.
 """
 
 from __future__ import annotations

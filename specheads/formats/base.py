@@ -47,7 +47,8 @@ class ExportContext:
 
     def _need_path(self) -> str:
         if self.target_path is None:
-            raise ValueError("this export needs some of the target's weights; pass --target with a local folder or Hub id")
+            raise ValueError("this export needs some of the target's weights; "
+                             "pass --target with a local folder or Hub id")
         return self.target_path
 
 
@@ -118,7 +119,8 @@ def import_folder(folder: Path, meta: Mapping[str, Any], num_target_layers: int 
             return importer.read(folder, meta, state, num_target_layers)
     known = "; ".join(f"{i.layout} ({i.needs})" for _, i in IMPORTERS.items())
     raise ValueError(f"{folder} holds no drafter layout specheads reads: its config.json has no 'kind' (our "
-                     f"format) and matches none of: {known}. Pass a specheads training run's final/ folder or one of those")
+                     f"format) and matches none of: {known}. "
+                     "Pass a specheads training run's final/ folder or one of those")
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -134,7 +136,8 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
             part = load_file(path, device="cpu") if path.suffix == ".safetensors" else \
                 torch.load(path, map_location="cpu", weights_only=True)
         except (SafetensorError, OSError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
-            raise ValueError(f"{path} is corrupt or not plain tensors ({str(err).splitlines()[0]}); re-download it") from None
+            raise ValueError(f"{path} is corrupt or not plain tensors ({str(err).splitlines()[0]}); "
+                             "re-download it") from None
         if not isinstance(part, dict):
             raise ValueError(f"{path} does not hold a dict of tensors; re-download it")
         state.update(part)
@@ -191,7 +194,8 @@ def layer_shapes(prefix: str, lc: Any, *, input_width: int, input_norm: bool = T
     h = lc.hidden_size
     hd = getattr(lc, "head_dim", None) or h // lc.num_attention_heads
     q, kv, inter = lc.num_attention_heads * hd, lc.num_key_value_heads * hd, lc.intermediate_size
-    shapes = {f"{prefix}self_attn.q_proj.weight": (q, input_width), f"{prefix}self_attn.k_proj.weight": (kv, input_width),
+    shapes = {f"{prefix}self_attn.q_proj.weight": (q, input_width),
+              f"{prefix}self_attn.k_proj.weight": (kv, input_width),
               f"{prefix}self_attn.v_proj.weight": (kv, input_width), f"{prefix}self_attn.o_proj.weight": (h, q),
               f"{prefix}mlp.gate_proj.weight": (inter, h), f"{prefix}mlp.up_proj.weight": (inter, h),
               f"{prefix}mlp.down_proj.weight": (h, inter), f"{prefix}post_attention_layernorm.weight": (h,)}

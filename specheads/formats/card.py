@@ -64,6 +64,6 @@ def model_card(ckpt: Checkpoint, ctx: ExportContext, run: Path | None) -> str:
               "--prompt \"...\" --max-new-tokens 128", "```", ""]
     formats = [e for _, e in EXPORTERS.items() if e.kind == kind]
     for exporter in formats:
-        lines += [f"{exporter.loader}: export with `specheads export RUN --to {exporter.format} --output DIR`, then", "",
-                  "```bash", exporter.serve.format(verifier=ctx.verifier), "```", ""]
+        lines += [f"{exporter.loader}: export with `specheads export RUN --to {exporter.format} --output DIR`, then",
+                  "", "```bash", exporter.serve.format(verifier=ctx.verifier), "```", ""]
     return "\n".join(lines)

@@ -119,7 +119,8 @@ def read_speculators(folder: Path, meta: Mapping[str, Any], state: dict[str, tor
         cfg = DFlashConfig(hidden_size=int(lc["hidden_size"]), vocab_size=vocab_size,
                            aux_layers=tuple(meta["aux_hidden_state_layer_ids"]),
                            num_layers=int(lc.get("num_hidden_layers", 1)), block_size=int(meta.get("block_size", 8)),
-                           mask_token_id=int(meta["mask_token_id"]), draft_vocab=draft_vocabulary_from_state(state, vocab_size),
+                           mask_token_id=int(meta["mask_token_id"]),
+                           draft_vocab=draft_vocabulary_from_state(state, vocab_size),
                            layer={k: lc[k] for k in LAYER_FIELDS if k in lc})
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} ({layout}): {err}") from None

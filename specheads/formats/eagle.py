@@ -51,8 +51,8 @@ def write_sglang(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str
     if cfg.aux_layers or cfg.first_layer_norm:
         why = "it fuses aux layers" if cfg.aux_layers else "its first layer normalises its input"
         raise ValueError(f"SGLang's {SGLANG_ARCHITECTURE} (EAGLE-1) cannot express these eagle heads ({why}); train "
-                         "them with heads.aux_layers=[] heads.first_layer_norm=false, or train EAGLE-3 heads, which export "
-                         "to SGLang and vLLM")
+                         "them with heads.aux_layers=[] heads.first_layer_norm=false, or train EAGLE-3 heads, which "
+                         "export to SGLang and vLLM")
     lc = layer_config(ctx.target_config, cfg.num_layers, {})
     check_export(ckpt.state, sglang_names(cfg, lc), f"SGLang {SGLANG_ARCHITECTURE}")
     config = layer_config_dict(ctx.target_config, cfg.num_layers, {})
@@ -86,7 +86,8 @@ def read_eagle1(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Te
 
 register_exporter(Exporter("sglang", KIND_NAME, f"SGLang ({SGLANG_ARCHITECTURE}, EAGLE-1)", write_sglang,
                            serve="python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE "
-                                 "--speculative-draft-model-path DIR --speculative-num-steps 5 --speculative-eagle-topk 4 "
-                                 "--speculative-num-draft-tokens 12"))
+                                 "--speculative-draft-model-path DIR --speculative-num-steps 5 "
+                                 "--speculative-eagle-topk 4 --speculative-num-draft-tokens 12"))
 register_importer(Importer("EAGLE-1", f'config.json "architectures": ["{SGLANG_ARCHITECTURE}"], or fc.bias and a '
-                                      "first layer without input_layernorm (EAGLE's own checkpoints)", _detect, read_eagle1))
+                                      "first layer without input_layernorm (EAGLE's own checkpoints)",
+                           _detect, read_eagle1))

@@ -1,10 +1,11 @@
 """EAGLE-3 heads in other engines' formats: speculators (what vLLM serves) and SGLang/SpecForge.
 
 Our `eagle3` tensors already carry speculators' names (`specheads.heads.eagle3`), so the speculators export
-(`specheads.formats.speculators`, the layout P-EAGLE's extends) only adds the vocabulary mappings and the config; SGLang's `LlamaForCausalLMEagle3` names the first layer
-`midlayer` and later ones `additional_layers.{i-1}` (whose pre-attention norm is `hidden_norm`), and counts
-explicit aux layer ids one lower. The speculators export carries the target's token embedding (speculators
-would otherwise have to fetch it from the verifier); SGLang shares the target's, so its export leaves it out.
+(`specheads.formats.speculators`, the layout P-EAGLE's extends) only adds the vocabulary mappings and the config;
+SGLang's `LlamaForCausalLMEagle3` names the first layer `midlayer` and later ones `additional_layers.{i-1}` (whose
+pre-attention norm is `hidden_norm`), and counts explicit aux layer ids one lower. The speculators export carries
+the target's token embedding (speculators would otherwise have to fetch it from the verifier); SGLang shares the
+target's, so its export leaves it out.
 """
 
 from __future__ import annotations
@@ -122,8 +123,9 @@ def read_sglang(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Te
 register_exporter(Exporter("speculators", KIND_NAME, "vLLM and speculators (eagle3)", write_speculators,
                            serve="vllm serve DIR   # vLLM reads the verifier, {verifier}, from DIR/config.json"))
 register_exporter(Exporter("sglang", KIND_NAME, f"SGLang ({SGLANG_ARCHITECTURE})", write_sglang,
-                           serve="python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
-                                 "--speculative-draft-model-path DIR --speculative-num-steps 5 --speculative-eagle-topk 4 "
+                           serve="python -m sglang.launch_server --model-path {verifier} "
+                                 "--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR "
+                                 "--speculative-num-steps 5 --speculative-eagle-topk 4 "
                                  "--speculative-num-draft-tokens 12"))
 register_importer(Importer("speculators eagle3", 'config.json "speculators_model_type": "eagle3"',
                            _speculators_detect, read_speculators))

@@ -40,8 +40,8 @@ def heads_folder(run_or_heads: str | Path) -> Path:
             raise ValueError(f"training run {path} has no finished heads (no final/{CONFIG_NAME}); let it finish "
                              "or resume it with resume=true, then export")
         return path / "final"
-    raise ValueError(f"{path} is neither a heads folder (with {CONFIG_NAME}) nor a training run; pass a run's output_dir "
-                     "or its final/ folder")
+    raise ValueError(f"{path} is neither a heads folder (with {CONFIG_NAME}) nor a training run; pass a run's "
+                     "output_dir or its final/ folder")
 
 
 def _verifier(ckpt: Checkpoint, verifier: str | None) -> str:

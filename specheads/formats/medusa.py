@@ -78,7 +78,8 @@ def _vllm_detect(meta: Mapping[str, Any], names: set[str]) -> bool:
     return VLLM_ARCHITECTURE in (meta.get("architectures") or []) or meta.get("model_type") == "medusa"
 
 
-def read_vllm(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor], num_target_layers: int | None) -> Checkpoint:
+def read_vllm(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],
+              num_target_layers: int | None) -> Checkpoint:
     shared = bool(meta.get("original_lm_head", False))
     ours: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -133,8 +134,9 @@ def read_faster_decoding(folder: Path, meta: Mapping[str, Any], state: dict[str,
 
 
 register_exporter(Exporter("vllm-medusa", KIND_NAME, f"vLLM ({VLLM_ARCHITECTURE})", write_vllm,
-                           serve="vllm serve {verifier} --speculative-config '{{\"method\": \"medusa\", \"model\": \"DIR\", "
-                                 "\"num_speculative_tokens\": 3}}'"))
-register_importer(Importer("vLLM Medusa", f'config.json "architectures": ["{VLLM_ARCHITECTURE}"]', _vllm_detect, read_vllm))
+                           serve="vllm serve {verifier} --speculative-config '{{\"method\": \"medusa\", "
+                                 "\"model\": \"DIR\", \"num_speculative_tokens\": 3}}'"))
+register_importer(Importer("vLLM Medusa", f'config.json "architectures": ["{VLLM_ARCHITECTURE}"]', _vllm_detect,
+                           read_vllm))
 register_importer(Importer("FasterDecoding Medusa", 'config.json "medusa_num_heads"', _faster_decoding_detect,
                            read_faster_decoding))

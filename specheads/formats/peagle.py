@@ -29,7 +29,8 @@ def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> lis
     cfg = build(PEagleConfig, ckpt.config)
     mask = {"mask_hidden": (1, 1, len(cfg.aux_layers) * cfg.hidden_size)}
     return write_speculators_layout(cfg, ckpt.state, folder, ctx, architecture=ARCHITECTURE,
-                                    speculative_tokens=block_speculative_tokens(ctx, cfg.num_depths, KIND_NAME, "num_depths"),
+                                    speculative_tokens=block_speculative_tokens(ctx, cfg.num_depths, KIND_NAME,
+                                                                                "num_depths"),
                                     extra_names=mask,
                                     extra_config={"mask_token_id": cfg.mask_token_id})
 

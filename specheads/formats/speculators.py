@@ -59,9 +59,11 @@ def chain_names(cfg: FusedChainConfig, lc: Any) -> dict[str, tuple[int, ...]]:
     """Tensors speculators' Eagle3DraftModel loads (speculators/models/eagle3/core.py, Eagle3DraftModel.__init__,
     and speculators/model.py DraftVocabMixin._init_vocab). embed_tokens.weight is the target's: speculators
     means to take it from the verifier when absent, but with transformers 5 its loader initialises the missing
-    tensor instead, so the export carries it; vLLM reads the same names (vllm/model_executor/models/llama_eagle3.py, load_weights)."""
+    tensor instead, so the export carries it; vLLM reads the same names (vllm/model_executor/models/llama_eagle3.py,
+    load_weights)."""
     h, n = cfg.hidden_size, len(cfg.aux_layers)
-    names: dict[str, tuple[int, ...]] = {"fc.weight": (h, n * h), "norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h),
+    names: dict[str, tuple[int, ...]] = {"fc.weight": (h, n * h), "norm.weight": (h,),
+                                         "lm_head.weight": (cfg.draft_vocab_size, h),
                                          "embed_tokens.weight": (cfg.vocab_size, h)}
     if cfg.norm_before_fc:
         names["input_norm.weight"] = (n * h,)
@@ -126,7 +128,8 @@ def draft_vocabulary_from_state(state: dict[str, torch.Tensor], vocab_size: int)
         return None
     ids = draft_vocab_from_d2t(d2t)
     if ids.numel() > vocab_size:
-        raise ValueError(f"its draft vocabulary ({ids.numel()} tokens) is larger than the target vocabulary ({vocab_size})")
+        raise ValueError(f"its draft vocabulary ({ids.numel()} tokens) is larger than the target vocabulary "
+                         f"({vocab_size})")
     order = ids.argsort()
     state["lm_head.weight"] = state["lm_head.weight"][order]
     return tuple(ids[order].tolist())
@@ -140,7 +143,8 @@ def imported_chain(folder: Path, layout: str, lc: Mapping[str, Any], state: dict
         state.pop(name, None)
     if aux is None:
         if num_target_layers is None:
-            raise ValueError(f"{folder} ({layout}) names no aux layer ids and no target is known to take the default from")
+            raise ValueError(f"{folder} ({layout}) names no aux layer ids "
+                             "and no target is known to take the default from")
         aux = list(default_aux_layers(num_target_layers))
     try:
         vocab = draft_vocabulary_from_state(state, int(lc["vocab_size"]))

@@ -73,7 +73,8 @@ class TargetInfo:
         if self.num_layers is None:
             other = replace(other, num_layers=None)
         where = f"heads in {checkpoint}" if checkpoint is not None else "these heads"
-        if (other.hidden_size, other.vocab_size, other.num_layers) != (self.hidden_size, self.vocab_size, self.num_layers):
+        if (other.hidden_size, other.vocab_size, other.num_layers) != (self.hidden_size, self.vocab_size,
+                                                                       self.num_layers):
             raise ValueError(
                 f"{where} were trained for target {self.name} ({self.describe()}); this target has "
                 f"{other.describe()}: train heads for this target or pass the matching --target"

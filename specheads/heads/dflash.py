@@ -97,7 +97,8 @@ class DFlashAttention(nn.Module):
     def _split(self, x: torch.Tensor, heads: int) -> torch.Tensor:  # [B, n, heads*d] -> [B, heads, n, d]
         return x.view(*x.shape[:2], heads, self.head_dim).transpose(1, 2)
 
-    def keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, n, H] -> keys and values [B, kv_heads, n, d] (keys normed and rotated)."""
         k = _rope(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), *rope)
         return k, self._split(self.v_proj(x), self.kv_heads)

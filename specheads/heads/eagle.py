@@ -43,8 +43,10 @@ class EagleConfig:
     num_layers: int = 1  # decoder layers of the target's architecture in the head
     init_from_target_layer: int | None = None  # copy this target layer's weights into the head's layer(s)
     draft_vocab: tuple[int, ...] | None = None  # token ids the head scores, sorted; None: the whole vocabulary
-    aux_layers: tuple[int, ...] = ()  # target hidden_states indices fused with F_t (EAGLE-3: low, mid, high); () = EAGLE-1
-    first_layer_norm: bool = True  # false: the first layer reads fc's output unnormed, as EAGLE-1's own code (and SGLang) do
+    aux_layers: tuple[int, ...] = ()  # target hidden_states indices fused with F_t (EAGLE-3: low, mid, high);
+    # () = EAGLE-1
+    first_layer_norm: bool = True  # false: the first layer reads fc's output unnormed, as EAGLE-1's own code
+    # (and SGLang) do
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -136,7 +138,8 @@ class EagleHead(nn.Module):
         pos = self.rotary_emb(hidden, position_ids=position_ids)
         extra = cache_kwargs(self.layers[0], cache) if cache is not None else {}
         for layer in self.layers:
-            out = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=pos, **extra)
+            out = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, position_embeddings=pos,
+                        **extra)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 

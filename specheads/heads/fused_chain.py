@@ -6,7 +6,8 @@ x_{t+1}, and drafts x_{t+2} with its own LM head over a reduced draft vocabulary
 
     g = fc(cat(h_a, h_b, h_c))                                        fc: 3H -> H, no bias
     x = cat(input_layernorm(embed(x_{t+1})), hidden_norm(g))          2H wide: the first layer's q/k/v read 2H
-    x = g + attn(x); x = x + mlp(post_attention_layernorm(x))         residual: g (hidden_norm(g) with norm_before_residual)
+    x = g + attn(x); x = x + mlp(post_attention_layernorm(x))         residual: g (hidden_norm(g) with
+                                                                      norm_before_residual)
     ... further standard decoder layers ...
     logits = lm_head(norm(x))                                         over the draft vocabulary only
 
@@ -51,7 +52,8 @@ class FusedChainConfig(ChainLayout):
 
     hidden_size: int  # the target's hidden size H (also the head's)
     vocab_size: int  # rows of the target's LM head (the target vocabulary)
-    aux_layers: tuple[int, ...]  # target hidden_states indices fused by fc (speculators' eagle_aux_hidden_state_layer_ids)
+    aux_layers: tuple[int, ...]  # target hidden_states indices fused by fc
+    # (speculators' eagle_aux_hidden_state_layer_ids)
     num_layers: int = 1  # decoder layers in the head; the first reads 2H
     draft_vocab: tuple[int, ...] | None = None  # target ids of the LM head's rows, sorted; None: the whole vocabulary
     layer: dict[str, Any] = field(default_factory=dict)  # draft layer config fields set apart from the target's
@@ -93,7 +95,8 @@ class FusedChainHead(FusedHead):
         self._to_target_dtype(target)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., H]: fc over the aux states
-        aux = features[..., : -self.config.hidden_size]  # the last layer's columns are the training target, not an input
+        # the last layer's columns are the training target, not an input
+        aux = features[..., : -self.config.hidden_size]
         if self.config.norm_before_fc:
             aux = self.input_norm(aux)
         if self.config.fc_norm:

@@ -16,7 +16,8 @@ from specheads.heads.draft_vocab import check_draft_vocab
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
-    """The low, middle and high target layers fused by default (EAGLE-3's; speculators' and vLLM's default): hidden_states 2, L//2, L-3."""
+    """The low, middle and high target layers fused by default (EAGLE-3's; speculators' and vLLM's default):
+    hidden_states 2, L//2, L-3."""
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 

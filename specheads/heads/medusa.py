@@ -34,7 +34,8 @@ class MedusaConfig:
     num_layers: int = 1  # residual blocks per head
     own_lm_head: bool = False  # a trainable LM head per head (initialised from the target's) instead of sharing it
     draft_vocab: tuple[int, ...] | None = None  # token ids the heads score, sorted; None: the whole vocabulary
-    tree: tuple[tuple[int, ...], ...] | None = None  # static tree to draft (paths of top-k indices), measured in training
+    tree: tuple[tuple[int, ...], ...] | None = None  # static tree to draft (paths of top-k indices),
+    # measured in training
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
@@ -62,7 +63,8 @@ class ResBlock(nn.Module):
     """x + silu(linear(x)); zero weight and bias make a fresh block the identity (silu(0) = 0),
     so an untrained head starts as the target's own next-token predictor."""
 
-    def __init__(self, hidden_size: int, *, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, hidden_size: int, *, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.linear = nn.Linear(hidden_size, hidden_size, device=device, dtype=dtype)
         nn.init.zeros_(self.linear.weight)
@@ -83,7 +85,8 @@ class MedusaHeads(nn.Module):
         weight = target_lm_head.weight
         if tuple(weight.shape) != (config.vocab_size, config.hidden_size):
             raise ValueError(f"the target LM head is {tuple(weight.shape)} (vocab, hidden) but the medusa config says "
-                             f"({config.vocab_size}, {config.hidden_size}); build the config with MedusaConfig.for_target")
+                             f"({config.vocab_size}, {config.hidden_size}); "
+                             "build the config with MedusaConfig.for_target")
         self.config = config
         # New weights follow the target's device and dtype, so the heads run on its hidden states as they come.
         factory = dict(device=weight.device, dtype=weight.dtype)
@@ -113,7 +116,8 @@ class MedusaHeads(nn.Module):
             # cost as much as the product itself.
             target_lm_head.requires_grad_(False)
             self.lm_heads = None
-            self.target_lm_head = nn.Linear(config.hidden_size, scored, bias=bias is not None, **factory).requires_grad_(False)
+            self.target_lm_head = nn.Linear(config.hidden_size, scored, bias=bias is not None,
+                                            **factory).requires_grad_(False)
             with torch.no_grad():
                 self.target_lm_head.weight.copy_(weight[ids])
                 if bias is not None:

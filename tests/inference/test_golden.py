@@ -17,7 +17,8 @@ MAX_NEW = 40
 
 def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+                         max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -52,7 +53,8 @@ def test_every_method_matches_plain_greedy(target, arch, prompt_seed):
 
 def test_early_exit_shares_weights_and_matches_truncated_forward(target):
     draft = early_exit_model(target, 2)
-    assert draft.model.layers[0].self_attn.q_proj.weight.data_ptr() == target.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert (draft.model.layers[0].self_attn.q_proj.weight.data_ptr()
+            == target.model.layers[0].self_attn.q_proj.weight.data_ptr())
     assert len(draft.model.layers) == 2
     ids = torch.tensor([repetitive_prompt()])
     hidden = target(ids, output_hidden_states=True).hidden_states[2]

@@ -38,5 +38,6 @@ def test_bf16_speculation_equals_bf16_ar_and_sampling_runs():
     ar = Engine(model, AutoregressiveProposer()).generate(prompt, max_new_tokens=32).output_ids
     for name, proposer in proposers(model):
         assert Engine(model, proposer).generate(prompt, max_new_tokens=32).output_ids == ar, name
-        res = Engine(model, proposer).generate(prompt, max_new_tokens=16, sampling=SamplingParams(temperature=1.0, seed=0))
+        res = Engine(model, proposer).generate(prompt, max_new_tokens=16,
+                                               sampling=SamplingParams(temperature=1.0, seed=0))
         assert res.stats.new_tokens == 16

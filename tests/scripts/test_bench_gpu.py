@@ -30,7 +30,8 @@ def packed(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("pack")
     target, _ = load_target("default")
     heads = tmp / "eagle-heads"
-    save_drafter(heads, random_eagle_head(target, draft_vocab=tuple(range(3, 2000))), TargetInfo.from_model(target, "default"))
+    save_drafter(heads, random_eagle_head(target, draft_vocab=tuple(range(3, 2000))),
+                 TargetInfo.from_model(target, "default"))
     questions = tmp / "questions.jsonl"
     questions.write_text('{"question_id": 1, "category": "coding", "turns": ["Write a loop in Python."]}\n'
                          '{"question_id": 2, "category": "math", "turns": ["What is 12 * 7?"]}\n')

@@ -91,7 +91,8 @@ def test_aux_layers_roundtrip(tmp_path, target):
     tokens, positions = torch.randint(0, 96, (1, 5)), torch.arange(5)[None]
     feats = torch.randn(1, 5, head.feature_width)
     with torch.no_grad():
-        torch.testing.assert_close(loaded(tokens, feats, positions), head.eval()(tokens, feats, positions), rtol=0, atol=0)
+        torch.testing.assert_close(loaded(tokens, feats, positions), head.eval()(tokens, feats, positions),
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("aux", [(0,), (4,), (2, 1), (1, 1)])

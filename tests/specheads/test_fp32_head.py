@@ -55,6 +55,7 @@ def test_drafters_sharing_the_lm_head_decode_like_ar_on_it(kind, tmp_path):
 def test_fp32_models_are_left_alone_and_unsupported_ones_refused():
     model = tiny_model("llama")
     assert fp32_head(model) is model and isinstance(model.lm_head, torch.nn.Linear)
-    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).to(torch.bfloat16)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2,
+                                                       vocab_size=50)).to(torch.bfloat16)
     with pytest.raises(ValueError, match="--fp32-head needs a decoder with a final `norm`.*leave --fp32-head off"):
         fp32_head(gpt2)

@@ -60,7 +60,8 @@ def test_a_batch_that_scored_nothing_adds_zeros_and_no_hits_give_no_metrics():
 
 def test_hits_of_different_shapes_are_refused():
     with pytest.raises(ValueError, match="three \\[M\\] tensors"):
-        TokenHits(torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.long), 1)
+        TokenHits(torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.bool), torch.zeros(3, dtype=torch.long),
+                  1)
 
 
 def _per_position(hits: TokenHits) -> tuple[list[float], list[float]]:

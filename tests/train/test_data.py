@@ -197,7 +197,8 @@ def test_template_text_after_end_of_turn_is_not_masked():
 
 def test_prefix_mismatch_falls_back_with_one_warning(monkeypatch, caplog):
     # The generation prompt differs from how a finished reply is rendered, so prefixes do not line up.
-    tok = chatml_tokenizer(CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant think\n{% endif %}"))
+    tok = chatml_tokenizer(CHATML.replace("<|im_start|>assistant\n{% endif %}",
+                                          "<|im_start|>assistant think\n{% endif %}"))
     monkeypatch.setattr(data, "_warned_prefix_mismatch", False)
     conv = msgs(("user", "w1"), ("assistant", "w2 w3"), ("user", "w4"), ("assistant", "w5"))
     with caplog.at_level(logging.WARNING, logger=data.__name__):

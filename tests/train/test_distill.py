@@ -118,7 +118,8 @@ def yaml_section(out: Path) -> dict:
     (["drafter.divergence=kl"], "drafter.divergence 'kl' is unknown; use one of: forward_kl, reverse_kl, jsd, tv"),
     (["drafter.init=early-exit:x"], "N must be a layer count"),
     (["heads.num_layers=1"], "takes its settings under 'drafter:', not 'heads:'"),
-    (["init_heads=runs/x/final"], "init_heads applies to heads recipes; the distill recipe starts from its drafter.init"),
+    (["init_heads=runs/x/final"], "init_heads applies to heads recipes; the distill recipe starts from its "
+                                  "drafter.init"),
     (["drafter.beta=1.5"], r"beta must be in \(0, 1\)"),
     (["drafter.parallel_k=0"], r"drafter.parallel_k must be >= 1 \(1: an ordinary drafter\), got 0"),
     (["drafter.parallel_k=96"], r"drafter.parallel_k=96 does not fit the training context \(data.max_length=96\)"),
@@ -184,7 +185,8 @@ def test_on_policy_batches_are_the_drafters_own_continuations(tiny_run_inputs, t
     assert drafter.training  # back in training mode
 
     out = tmp_path / "on-policy"
-    assert train_main(distill_args(tiny_run_inputs, out, "drafter.on_policy_fraction=1", "drafter.on_policy_max_new_tokens=8",
+    assert train_main(distill_args(tiny_run_inputs, out, "drafter.on_policy_fraction=1",
+                                   "drafter.on_policy_max_new_tokens=8",
                                    "max_steps=3", "eval_every=3", "save_every=3", "measure_prompts=0")) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["on_policy"] for r in steps if "loss" in r] == [1.0, 1.0, 1.0]

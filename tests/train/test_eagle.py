@@ -66,7 +66,8 @@ def test_ttt_loss_trains_every_step_and_its_first_step_is_eagle1(head_and_inputs
     assert plain["loss_reg"] == pytest.approx(stats["loss_reg"], rel=1e-5)
     assert plain["loss_ce"] == pytest.approx(stats["loss_ce"], rel=1e-5)
     # EAGLE-3's loss: no feature term, steps weighted ttt_decay**k.
-    ce_only, st = eagle_step_loss(head, target, batch, _cfg(ttt_steps=2, reg_weight=0.0, cls_weight=1.0, aux_layers=aux))
+    ce_only, st = eagle_step_loss(head, target, batch,
+                                  _cfg(ttt_steps=2, reg_weight=0.0, cls_weight=1.0, aux_layers=aux))
     assert float(ce_only) == pytest.approx((st["loss_ce"] + 0.8 * st["loss_ce_step2"]) / 1.8, rel=1e-5)
 
 

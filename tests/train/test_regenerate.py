@@ -12,7 +12,8 @@ from specheads.train.regenerate import main, regenerate
 
 def write_conversations(path, n: int = 5) -> None:
     rows = [{"conversations": [{"from": "human", "value": f"w{5 + i} w{6 + i} w7"}, {"from": "gpt", "value": "w50 w51"},
-                               {"from": "human", "value": "w9 w10"}, {"from": "gpt", "value": "w60"}]} for i in range(n)]
+                               {"from": "human", "value": "w9 w10"}, {"from": "gpt", "value": "w60"}]}
+            for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -25,13 +26,15 @@ def test_regenerated_turns_are_the_targets_greedy_answers(tiny_model_dir, tmp_pa
     assert main(["--target", str(tiny_model_dir), "--source", str(data), "--output", str(out), "--max-new-tokens", "6",
                  "--batch-size", "2", "--shard-size", "2"]) == 0
     rows = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and sorted(p.name for p in out.glob("shard_*.jsonl")) == [f"shard_0000{k}.jsonl" for k in range(3)]
+    assert (len(rows) == 5
+            and sorted(p.name for p in out.glob("shard_*.jsonl")) == [f"shard_0000{k}.jsonl" for k in range(3)])
     model, tok = load_target(str(tiny_model_dir))
     first = rows[0]["messages"]
     assert [m["role"] for m in first] == ["user", "assistant", "user", "assistant"]
     assert first[0]["content"] == "w5 w6 w7" and first[1]["content"] != "w50 w51"
     # The first answer is exactly what greedy decoding of the target gives for the first user turn.
-    ids = tok(tok.apply_chat_template(first[:1], add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    ids = tok(tok.apply_chat_template(first[:1], add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
     greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=[2], pad_token_id=2)
     assert tok.decode(greedy[0, len(ids):], skip_special_tokens=True).strip() == first[1]["content"]
     # The output is valid training data.

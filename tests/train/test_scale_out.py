@@ -99,7 +99,8 @@ def test_shipped_accelerate_configs_load_and_begin_with_their_command():
     for name, path in shipped.items():
         config = load_config_from_file(str(path))  # accelerate's own loader: unknown keys are refused
         first = path.read_text().splitlines()[0]
-        assert first.startswith(f"# accelerate launch --config_file configs/accelerate/{name} -m specheads.train "), name
+        assert first.startswith(f"# accelerate launch --config_file configs/accelerate/{name} "
+                                "-m specheads.train "), name
         load_train_config(REPO / first.split()[-1], [])  # the recipe it names exists
         if config.distributed_type == DistributedType.DEEPSPEED:  # the recipe's settings are left to the recipe
             assert not {"gradient_accumulation_steps", "gradient_clipping", "deepspeed_config_file"} & set(
@@ -110,7 +111,8 @@ def test_shipped_accelerate_configs_load_and_begin_with_their_command():
 @pytest.mark.parametrize(("ds_config", "message"), [
     ({"optimizer": {"type": "AdamW"}}, "defines 'optimizer', but the recipe builds its own .*remove the 'optimizer'"),
     ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
-    ({"train_micro_batch_size_per_gpu": 8}, r"train_micro_batch_size_per_gpu=8, but the recipe's optim.batch_size gives 2"),
+    ({"train_micro_batch_size_per_gpu": 8}, r"train_micro_batch_size_per_gpu=8, but the recipe's optim.batch_size "
+                                            r"gives 2"),
     ({"gradient_accumulation_steps": 1}, r"gradient_accumulation_steps=1, but the recipe's optim.grad_accum gives 4"),
     ({"train_batch_size": 16}, r"train_batch_size=16, but the recipe's optim.batch_size x optim.grad_accum x 3 "
                                r"processes gives 24"),

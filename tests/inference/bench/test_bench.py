@@ -71,7 +71,8 @@ def read_rows(out_dir):
 
 
 def test_training_free_methods_run_and_report(tiny_model_dir, questions_file, tmp_path, capsys):
-    methods = ["ar", "hf", "hf-pld", "ngram", "draft:early-exit:1", f"draft:{tiny_model_dir}", f"hf-assisted:{tiny_model_dir}"]
+    methods = ["ar", "hf", "hf-pld", "ngram", "draft:early-exit:1", f"draft:{tiny_model_dir}",
+               f"hf-assisted:{tiny_model_dir}"]
     out_dir = tmp_path / "bench"
     code, out, err = run_cli(["--target", str(tiny_model_dir), "--methods", ",".join(methods), "--questions",
                               str(questions_file), "--turns", "2", "--max-new-tokens", "10", "--warmup", "1",
@@ -239,7 +240,8 @@ def test_wandb_offline_writes_a_run(tiny_model_dir, questions_file, tmp_path, ca
     for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_CONSOLE": "off",
                        "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(key, value)
-    code, _, err = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,ngram", "--questions", str(questions_file),
+    code, _, err = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,ngram",
+                            "--questions", str(questions_file),
                             "--limit", "2", "--max-new-tokens", "6", "--warmup", "0", "--report-to", "wandb",
                             "--diagnose"], capsys)
     assert code == 0, err
@@ -255,7 +257,8 @@ def test_wandb_offline_writes_a_run(tiny_model_dir, questions_file, tmp_path, ca
     ngram_steps = next(row[1] for row in stopped["data"] if row[0] == "ngram")
     assert sum(row[4] for row in rows["data"] if row[0] == "ngram") == ngram_steps
     acceptance = json.loads(next(runs[0].glob("files/media/table/bench/diagnosis_acceptance_*.table.json")).read_text())
-    assert acceptance["columns"][1:] == list(TOKEN_CLASSES) and {row[0] for row in acceptance["data"]} == {"ar", "ngram"}
+    assert (acceptance["columns"][1:] == list(TOKEN_CLASSES)
+            and {row[0] for row in acceptance["data"]} == {"ar", "ngram"})
 
 
 def test_heads_of_another_target_fail_as_one_line(tiny_model_dir, questions_file, tmp_path, capsys):
@@ -271,7 +274,8 @@ def test_heads_of_another_target_fail_as_one_line(tiny_model_dir, questions_file
 
 @pytest.mark.parametrize("args,message", [
     (["--limit", "0"], "--limit must be >= 1 (or omitted for all questions), got 0"),
-    (["--methods", "ar,nope"], f"unknown method 'nope' in --methods; valid: {', '.join(METHODS.names())}, hf, hf-assisted, hf-pld"),
+    (["--methods", "ar,nope"], f"unknown method 'nope' in --methods; valid: {', '.join(METHODS.names())}, hf, "
+                               "hf-assisted, hf-pld"),
     (["--methods", "ar,hf-assisted"], "method hf-assisted needs a path: hf-assisted:PATH"),
     (["--methods", "ar,ar"], "listed twice"),
     (["--methods", "ngram:3"], "method ngram takes no argument"),

@@ -35,7 +35,8 @@ def run_cli(args, capsys):
 def test_generate_questions_writes_jsonl(tiny_model_dir, questions_file, tmp_path, capsys, method, extra):
     out_path = tmp_path / "out.jsonl"
     code, _, err = run_cli(["generate", "--target", str(tiny_model_dir), "--method", method, *extra,
-                            "--questions", str(questions_file), "--max-new-tokens", "12", "--output", str(out_path)], capsys)
+                            "--questions", str(questions_file), "--max-new-tokens", "12", "--output", str(out_path)],
+                           capsys)
     assert code == 0, err
     rows = [json.loads(line) for line in out_path.read_text().splitlines()]
     assert [r["question_id"] for r in rows] == [1, 2]
@@ -157,7 +158,8 @@ def test_bench_diagnose_writes_where_drafts_were_rejected(tiny_model_dir, tmp_pa
                               "--questions", str(STRUCTURED), "--per-category", "1", "--max-new-tokens", "16",
                               "--warmup", "1", "--diagnose", "--output", str(out_dir)], capsys)
     assert code == 0, err
-    assert "## Where drafts are rejected" in out and "## Where drafts are rejected" in (out_dir / "summary.md").read_text()
+    assert ("## Where drafts are rejected" in out
+            and "## Where drafts are rejected" in (out_dir / "summary.md").read_text())
     diagnosis = json.loads((out_dir / "diagnosis.json").read_text())
     assert set(diagnosis) == {"ar", "ngram", "draft:early-exit:2"}
     rows = [json.loads(line) for line in (out_dir / "results.jsonl").read_text().splitlines()]

@@ -102,7 +102,8 @@ def first_two_tokens(verifier: Verifier, params: SamplingParams, width: int, dep
     """Counts [V, V] of the first two generated tokens over `samples` speculative steps (of `tree`
     when given: a fixed tree of deterministic drafts)."""
     gen = torch.Generator().manual_seed(seed)
-    fixed_tree = tree if tree is not None else draft_tree(params, width, depth, gen, deterministic) if deterministic else None
+    fixed_tree = (tree if tree is not None
+                  else draft_tree(params, width, depth, gen, deterministic) if deterministic else None)
     x1 = torch.empty(samples, dtype=torch.long)
     x2 = torch.full((samples,), -1, dtype=torch.long)
     for s in range(samples):

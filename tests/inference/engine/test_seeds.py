@@ -53,7 +53,8 @@ def test_seeded_runs_repeat_and_each_question_keeps_its_own_stream(tiny_model_di
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("method", [["--method", "ar"], ["--method", "ngram"], ["--method", "draft", "--draft", "early-exit:1"]])
+@pytest.mark.parametrize("method", [["--method", "ar"], ["--method", "ngram"],
+                                    ["--method", "draft", "--draft", "early-exit:1"]])
 def test_seeded_samples_of_one_prompt_follow_the_targets_law(tiny_model_dir, tmp_path, method):
     """The first two tokens of 400 seeded samples of one prompt against the target's exact law (top-3, 9 cells)."""
     rows = generate(tiny_model_dir, tmp_path, "samples", "--prompt", PROMPT, "--num-samples", "400", "--seed", "7",

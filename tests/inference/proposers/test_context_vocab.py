@@ -57,4 +57,5 @@ def test_eagle_heads_draft_prompt_tokens_only_with_the_context_vocabulary():
 
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=24).output_ids
     for flag in (True, False):
-        assert Engine(target, EagleProposer(head, context_vocab=flag)).generate(prompt, max_new_tokens=24).output_ids == plain
+        assert (Engine(target, EagleProposer(head, context_vocab=flag)).generate(prompt, max_new_tokens=24).output_ids
+                == plain)

@@ -97,7 +97,8 @@ def test_random_heads_match_plain_greedy(arch, tree):
     target = tiny_model(arch)
     prompt = repetitive_prompt()
     expected = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW).output_ids
-    res = Engine(target, MedusaProposer(random_heads(target), MEDUSA_TREES[tree])).generate(prompt, max_new_tokens=MAX_NEW)
+    res = Engine(target,
+                 MedusaProposer(random_heads(target), MEDUSA_TREES[tree])).generate(prompt, max_new_tokens=MAX_NEW)
     assert res.output_ids == expected
     assert res.stats.drafted > 0 and res.stats.new_tokens == MAX_NEW
 

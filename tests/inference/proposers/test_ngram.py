@@ -16,7 +16,8 @@ def ctx(tokens: list[int], max_depth: int = 10) -> ProposalContext:
 def test_continuations_longest_ngram_and_most_recent_first():
     #          0  1  2  3  4  5  6  7  8  9 10 11 12
     tokens = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 2, 3]
-    conts = [c for _, c in find_matches(torch.tensor(tokens), NgramConfig(max_ngram=2, min_ngram=1, num_candidates=3, depth=2), 2)]
+    conts = [c for _, c in find_matches(torch.tensor(tokens),
+                                        NgramConfig(max_ngram=2, min_ngram=1, num_candidates=3, depth=2), 2)]
     # "2 3" occurs at 1 and 6: most recent first -> [7, 8] then [9, 9]; then the 1-gram "3" adds nothing new.
     assert conts == [[7, 8], [9, 9]]
 

@@ -77,7 +77,8 @@ def test_sampling_preserves_the_target_distribution():
     drafter = copy.deepcopy(early_exit_model(target, 1))
     with_placeholder(drafter, ParallelSpec(k=3, mask_token_id=TINY_VOCAB))
     with torch.no_grad():
-        drafter.lm_head.weight.add_(torch.randn(drafter.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.02)
+        drafter.lm_head.weight.add_(torch.randn(drafter.lm_head.weight.shape,
+                                                generator=torch.Generator().manual_seed(0)) * 0.02)
     engine = Engine(target, ParallelDraftProposer(drafter, parallel_spec(drafter.config)))
     law = exact_two_token_law(target, COUNTING_PROMPT, PARAMS)
     samples = SAMPLES // 2  # drafts are accepted ~9 times in 10 here: the control is still rejected at p < 1e-12

@@ -73,7 +73,8 @@ def test_the_loadtest_command_prints_and_writes_each_level(servers, tmp_path, ca
     printed = capsys.readouterr().out
     assert "every answer agreed" in printed and "req/s" in printed
     data = json.loads(out.read_text())
-    assert [(level["label"], level["requests"]) for level in data["levels"]] == [("on", 2), ("off", 2)]  # 2 prompts (--per-category 2), one request each
+    # 2 prompts (--per-category 2), one request each
+    assert [(level["label"], level["requests"]) for level in data["levels"]] == [("on", 2), ("off", 2)]
     assert main(["loadtest", "--server", "on=http://127.0.0.1:9", "--questions", str(questions)]) == 2
     assert "does not answer GET /v1/models" in capsys.readouterr().err
     assert main(["loadtest", "--server", "nourl", "--questions", str(questions)]) == 2

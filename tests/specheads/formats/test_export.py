@@ -110,7 +110,8 @@ def test_bad_input_is_refused_by_name(target_dir, tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ValueError, match="has no finished heads"):
         export(tmp_path / "run", "speculators", tmp_path / "a")
-    with pytest.raises(ValueError, match=r"--to speculators cannot express eagle heads.*eagle heads export to: hf, sglang"):
+    with pytest.raises(ValueError,
+                       match=r"--to speculators cannot express eagle heads.*eagle heads export to: hf, sglang"):
         saved("eagle", target, target_path, tmp_path / "e1")
         export(tmp_path / "e1", "speculators", tmp_path / "b")
     (tmp_path / "full").mkdir()
@@ -132,13 +133,15 @@ def test_bad_input_is_refused_by_name(target_dir, tmp_path):
     spec_state = load_file(tmp_path / "spec" / "model.safetensors")
     save_file({**spec_state, "lm_head.weight": torch.zeros(100, 64), "d2t": torch.zeros(100, dtype=torch.long)},
               tmp_path / "spec" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"draft vocabulary \(100 tokens\) is larger than the target vocabulary \(96\)"):
+    with pytest.raises(ValueError,
+                       match=r"draft vocabulary \(100 tokens\) is larger than the target vocabulary \(96\)"):
         load_drafter(tmp_path / "spec", target)
 
     (tmp_path / "alien").mkdir()
     (tmp_path / "alien" / "config.json").write_text(json.dumps({"architectures": ["Mystery"]}))
     save_file({"w": torch.zeros(1)}, tmp_path / "alien" / "model.safetensors")
-    with pytest.raises(ValueError, match=r'matches none of: .*speculators eagle3 \(config.json "speculators_model_type"'):
+    with pytest.raises(ValueError,
+                       match=r'matches none of: .*speculators eagle3 \(config.json "speculators_model_type"'):
         load_drafter(tmp_path / "alien", target)
 
 
@@ -171,7 +174,8 @@ def test_push_to_hub_creates_the_repo_and_commits_the_export(target_dir, tmp_pat
         files = hub.repos["org/eagle3-tiny"]["files"]
         assert sorted(files) == ["config.json", "model.safetensors"]
         assert files["config.json"] == (tmp_path / "spec" / "config.json").read_bytes()
-        with pytest.raises(ValueError, match=r"pushing to the Hub repo org/x failed \(.*401.*the export in .* is intact"):
+        with pytest.raises(ValueError,
+                           match=r"pushing to the Hub repo org/x failed \(.*401.*the export in .* is intact"):
             push_folder(done.folder, "org/x", token="hf_wrong", endpoint=hub.url)
         assert "org/x" not in hub.repos and not any("/org/x/commit/" in path for _, path in hub.requests)
 
@@ -282,9 +286,11 @@ def test_the_hub_stub_refuses_malformed_requests():
         bad = httpx.post(f"{hub.url}/api/repos/create", headers=auth, json={"name": "x", "organization": "org",
                                                                              "type": "dataset"})
         assert bad.status_code == 400 and not hub.repos
-        assert httpx.post(f"{hub.url}/api/repos/create", headers=auth, json={"name": "x", "organization": "org"}).is_success
+        assert httpx.post(f"{hub.url}/api/repos/create", headers=auth,
+                          json={"name": "x", "organization": "org"}).is_success
         commit = httpx.post(f"{hub.url}/api/models/org/x/commit/main", headers=auth,
-                            content=json.dumps({"key": "file", "value": {"path": "a", "content": "", "encoding": "base64"}}))
+                            content=json.dumps({"key": "file", "value": {"path": "a", "content": "",
+                                                                         "encoding": "base64"}}))
         assert commit.status_code == 400 and not hub.repos["org/x"]["files"]
 
 

@@ -114,7 +114,8 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
     prompt = repetitive_prompt()
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
     for values in ({"lookup": 0}, {}):
-        res = Engine(target, proposer_for("peagle", target, tmp_path / "peer", values)).generate(prompt, max_new_tokens=32)
+        res = Engine(target,
+                     proposer_for("peagle", target, tmp_path / "peer", values)).generate(prompt, max_new_tokens=32)
         assert res.output_ids == plain.output_ids and res.stats.drafted > 0
 
 
