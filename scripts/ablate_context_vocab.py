@@ -16,8 +16,9 @@ import torch
 
 from specheads.heads.checkpoint import load_drafter
 from specheads.inference import Engine
+from specheads.inference.methods.tree_options import named_tree
 from specheads.inference.proposers import AutoregressiveProposer
-from specheads.inference.proposers.eagle import EagleProposer, eagle_tree
+from specheads.inference.proposers.eagle import EagleProposer
 from specheads.questions import load_questions
 from specheads.target import load_target, render_chat, stop_token_ids
 
@@ -34,7 +35,7 @@ def main() -> None:
     stops = stop_token_ids(tokenizer, target)
     questions = load_questions(args.questions, per_category=args.per_category)
     heads = {path: load_drafter(path, target, kind="eagle") for path in args.heads}
-    engines = {(path, flag): Engine(target, EagleProposer(head, eagle_tree(args.tree), context_vocab=flag))
+    engines = {(path, flag): Engine(target, EagleProposer(head, named_tree(args.tree), context_vocab=flag))
                for path, head in heads.items() for flag in (False, True)}
     ar = Engine(target, AutoregressiveProposer())
     taus: dict[tuple[str, bool], list[float]] = {key: [] for key in engines}  # per generation, as the bench

@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\nThe config's recipe: key names what to train (list them: --recipes; every key of "
               "each: docs/recipes.md).\nCommon overrides: output_dir=DIR max_steps=N data.max_conversations=N "
-              "resume=true report_to=wandb", file=sys.stderr)
+              "resume=true report_to=wandb", file=sys.stdout if args else sys.stderr)  # asked for, or a usage error
         return 0 if args else 2
     if args == ["--recipes"]:  # imports every recipe (torch with them); --help stays instant
         from specheads.train.objective import OBJECTIVES

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from specheads.heads.eagle import KIND_NAME
 from specheads.inference.engine.proposer import Proposer
-from specheads.inference.methods.tree_options import TreeOptions, named_tree
+from specheads.inference.methods.tree_options import TreeOptions
 from specheads.inference.proposers.fused_tree import FusedTreeProposer, tree_proposer
 
 EagleProposer = FusedTreeProposer  # EAGLE heads draft with the fused-head tree search as it is
-eagle_tree = named_tree  # the tree presets are every tree-drafting method's (`tree_options`)
 
 
 def build(target, options: TreeOptions, load_draft) -> Proposer:

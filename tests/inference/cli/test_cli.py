@@ -186,6 +186,8 @@ def test_specheads_train_forwards_to_the_recipe():
 
 
 CLI_DIR = Path(__file__).resolve().parents[3] / "inference" / "cli"
+
+
 @pytest.mark.parametrize("command", [None, *(name for name in COMMANDS if name != "train")])
 def test_every_help_answers_without_importing_torch(command):
     done = help_without_torch(sys.executable, ["--help"] if command is None else [command, "--help"])
@@ -200,10 +202,10 @@ def test_every_help_answers_without_importing_torch(command):
 TRAIN_HELP = """
 import contextlib, io, json, sys
 from specheads.train.__main__ import main
-err = io.StringIO()
-with contextlib.redirect_stderr(err):
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
     code = main(["--help"])
-print(json.dumps({"code": code, "help": err.getvalue(), "torch": "torch" in sys.modules}))
+print(json.dumps({"code": code, "help": out.getvalue(), "torch": "torch" in sys.modules}))
 """
 
 
