@@ -3,16 +3,17 @@
 A verify forward multiplies a handful of rows (the tree's nodes) by every weight matrix. On CPU in
 fp32, PyTorch's GEMM for `x @ W.T` with W stored row-major ([out, in], the nn.Linear default) is
 slow for 4-48 rows: it repacks W on every call. With W stored column-major (the same [out, in] tensor
-whose transpose is contiguous), the same product runs 2-5x faster for those sizes and about as fast
-for one row (measured with `scripts/bench_forward.py`). Values, shapes, parameter names and weight
-ties are unchanged; only strides differ, so checkpoints are unaffected and products differ only in
-GEMM rounding (~1e-5 relative). Speculative greedy output still equals `ar`'s in the same layout.
+whose transpose is contiguous), the same product runs several times faster for those sizes and about as
+fast for one row (`scripts/bench_forward.py` measures it; figures in docs/results.md). Values, shapes,
+parameter names and weight ties are unchanged; only strides differ, so checkpoints are unaffected and
+products differ only in GEMM rounding (~1e-5 relative). Speculative greedy output still equals `ar`'s in
+the same layout.
 
 In bf16 on a CPU with native bf16 (AMX or AVX512-BF16), oneDNN's GEMM likewise reorders a row-major W
 into its blocked layout on every call, which costs more than the product itself for a few rows. The
 "packed" layout reorders each bf16 weight once, at load, and runs the layer's products on that copy
-(`PackedLinear`): a 16-node verify of the default target then costs about 1.3x a one-token step
-instead of 2x in fp32 (docs/results.md). The products are oneDNN's own bf16 kernels, as in the row
+(`PackedLinear`): a 16-node verify of the default target then costs far less over a one-token step
+than in fp32 (docs/results.md, "bf16 with packed weights"). The products are oneDNN's own bf16 kernels, as in the row
 layout; the parameters stay as they were (names, values, ties, checkpoints), and the packed copies
 are one more copy of the linear weights in memory.
 

@@ -37,9 +37,9 @@ def add_model_settings(p: argparse.ArgumentParser) -> None:
     # arguments imports no torch.
     p.add_argument("--weight-layout", default="auto", metavar="LAYOUT",
                    help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such "
-                        "as a tree verify run 2-5x faster that way; packed for bf16 on a CPU with native bf16, where "
-                        "each weight is packed once for oneDNN instead of at every product; row-major elsewhere), row, "
-                        "column, packed. Only GEMM rounding changes")
+                        "as a tree verify run several times faster that way; packed for bf16 on a CPU with native "
+                        "bf16, where each weight is packed once for oneDNN instead of at every product; row-major "
+                        "elsewhere), row, column, packed. Only GEMM rounding changes")
     p.add_argument("--fp32-head", action="store_true",
                    help="with --dtype bfloat16/float16: compute the target's final norm and LM head in fp32, so logits "
                         "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per "

@@ -27,8 +27,8 @@ class TreeConfig:
             raise ValueError("a draft tree needs depth >= 1, topk >= 1 and total_tokens >= 2")
 
 
-# Named trees. τ grows with the tree, and so does the verify forward: on a 2-core CPU a 12-node forward costs
-# ~1.6x a one-token step, a 60-node one ~3.5x.
+# Named trees. τ grows with the tree, and so does the verify forward; on a CPU every node adds GEMM work (the
+# measured curve: `verify_cost`, docs/results.md), which is why the default is small.
 TREES: dict[str, TreeConfig] = {
     "cpu": TreeConfig(),  # the default: depth 5, top-4, 12 nodes
     "wide": TreeConfig(depth=6, topk=8, total_tokens=32),

@@ -2,11 +2,11 @@
 
 Heads score a reduced vocabulary, the most frequent tokens of their training data (see
 `specheads.heads.draft_vocab`). The rare words a request brings fall outside it and can never be
-drafted: on MT-bench about 10% of the default target's greedy tokens lie outside an 8192-token
-draft vocabulary, and more than half of those already appear in the prompt or in earlier output
-(names, topic words, identifiers). The draft LM head is the target's own frozen LM head restricted
-to some rows, so any other row scores a token just as well: this class adds the rows of the tokens
-seen in the request, a few dozen to a few hundred, to the rows the head was trained with.
+drafted, and many of those already appear in the prompt or in earlier output (names, topic words,
+identifiers; `scripts/ablate_context_vocab.py` measures it, docs/results.md has the figures). The draft
+LM head is the target's own frozen LM head restricted to some rows, so any other row scores a token just
+as well: this class adds the rows of the tokens seen in the request, a few dozen to a few hundred, to the
+rows the head was trained with.
 
 Exactness does not depend on it (the verifier checks every draft against the target); it only
 changes which tokens can be drafted.
@@ -78,8 +78,8 @@ class ContextVocabulary:
         self._ids = torch.cat([self._base_ids, self._extra_ids])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, Vd + E], fp32
-        # W @ hᵀ rather than h @ Wᵀ: for the 1-4 rows a draft level has, fp32 CPU GEMM runs 2-3.5x faster
-        # in this layout (8192-row draft head, 2 threads); the result is the same product.
+        # W @ hᵀ rather than h @ Wᵀ: for the 1-4 rows a draft level has, fp32 CPU GEMM runs faster in this
+        # layout (it reads W as stored); the result is the same product.
         h = hidden.to(self._base_weight.dtype).T
         out = self._base_weight @ h if self._base_int8 is None else self._base_int8(hidden).T
         if self._extra_ids.numel():

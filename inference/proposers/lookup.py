@@ -6,8 +6,8 @@ up the context's last n-gram like `ngram` does and merges the continuations that
 earlier occurrences into the inner proposer's tree, sharing the nodes where the two agree. The
 target verifies both in the same forward, so a step accepts whichever path goes further.
 
-It raised τ of every heads checkpoint measured here by 30-45% on MT-bench (README,
-*Prompt lookup on heads' trees*; `specheads bench --methods eagle:DIR+lookup=0,eagle:DIR` compares).
+It raises τ of heads checkpoints on MT-bench (docs/results.md; `specheads bench --methods
+eagle:DIR+lookup=0,eagle:DIR` compares).
 The grafted drafts are deterministic, so the verifier treats them as one-hot and exactness holds
 for greedy and sampling alike.
 """

@@ -2,7 +2,7 @@
 
 Speculation pays when the tokens a step commits outgrow what its verify forward costs over a plain
 step. That cost is the machine's, not the method's: a GPU verifies 60 nodes for about the price of
-one, while on a 2-core CPU every node adds GEMM work (16 nodes cost ~2.4x a plain step in fp32).
+one, while on a CPU every node adds GEMM work (figures in docs/results.md).
 In a batch every row's input is padded to the widest tree, so the cost of a width is paid by every
 row, and the forward turns compute-bound sooner: the curve depends on the batch size.
 `VerifyCost` holds one batch size's measured curve; `verify_cost` measures it once per (target,
