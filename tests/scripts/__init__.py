@@ -1,0 +1,17 @@
+"""Tests of the scripts in scripts/, which are files rather than modules of the package."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module (imported fresh, its `main` not run)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
 from specheads.inference.engine.tree import DraftTree
 from tests.conftest import tiny_model
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_step")
 
 
 def test_a_verify_is_split_into_buckets_with_the_cache_writes_counted_apart(one_thread):
