@@ -17,8 +17,12 @@ than in fp32 (docs/results.md, "bf16 with packed weights"). The products are one
 layout; the parameters stay as they were (names, values, ties, checkpoints), and the packed copies
 are one more copy of the linear weights in memory.
 
-Layouts: "row" (as loaded), "column", "packed", or "auto": column for fp32 on CPU, packed for bf16 on
-a CPU with native bf16, row elsewhere (cuBLAS is fastest with the row-major weights it was tuned for).
+Some CPUs' BLAS runs neither form fast for a few rows: there the "transposed" layout keeps W row-major and
+writes each product as (W xᵀ)ᵀ, a GEMM whose small dimension is the output's columns (`TransposedLinear`;
+`scripts/bench_gemm.py` compares the forms on a machine, docs/results.md has the figures). It is opt-in.
+
+Layouts: "row" (as loaded), "column", "packed", "transposed", or "auto": column for fp32 on CPU, packed for bf16
+on a CPU with native bf16, row elsewhere (cuBLAS is fastest with the row-major weights it was tuned for).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYOUTS = ("auto", "row", "column", "packed")
+LAYOUTS = ("auto", "row", "column", "packed", "transposed")
 PACK_ROWS = 16  # the row count oneDNN tunes the packing for (a tree verify's); one row runs as fast on it (measured)
 
 
@@ -61,7 +65,8 @@ def packing_available() -> bool:
 
 
 def resolve_layout(layout: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """"row", "column" or "packed" for a model on `device` in `dtype`; a bad name lists the known ones."""
+    """"row", "column", "packed" or "transposed" for a model on `device` in `dtype`; a bad name lists the known
+    ones."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}; use one of: {', '.join(LAYOUTS)}")
     on_cpu = torch.device(device).type == "cpu"
@@ -115,6 +120,26 @@ class PackedLinear(nn.Linear):
         return _pack(clone, {})
 
 
+class TransposedLinear(nn.Linear):
+    """An nn.Linear whose product is written (W xᵀ)ᵀ on its row-major weight: for a few rows this is a GEMM whose
+    small dimension is the output's columns, which some CPUs' BLAS runs several times faster than x Wᵀ. One row
+    takes `F.linear` (a matrix-vector product either way).
+
+    Set by `set_linear_layout(module, "transposed")` on existing layers (their class is switched in place, so
+    parameters, names and ties stay). The value is the same product up to GEMM rounding, in every dtype and on
+    every device; the output is contiguous, as `F.linear`'s.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= x.shape[-1]:  # one row (or none): x Wᵀ is a matrix-vector product, as fast as it gets
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        out = (self.weight @ rows.T).T.contiguous()  # [M, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
 def _pack(layer: nn.Linear, packed: dict[int, torch.Tensor]) -> nn.Linear:
     """`layer` as a PackedLinear when its weight is bf16 on CPU (`packed`: copies already made, by weight id)."""
     if layer.weight.dtype != torch.bfloat16 or layer.weight.device.type != "cpu":
@@ -128,15 +153,16 @@ def _pack(layer: nn.Linear, packed: dict[int, torch.Tensor]) -> nn.Linear:
 
 
 def set_linear_layout(module: nn.Module, layout: str) -> nn.Module:
-    """Store every nn.Linear weight in `module` row- or column-major, or pack its bf16 weights ("packed": other
-    dtypes stay row-major), in place; tied weights stay tied."""
-    if layout not in ("row", "column", "packed"):
-        raise ValueError(f"layout must be 'row', 'column' or 'packed', got {layout!r}")
+    """Store every nn.Linear weight in `module` row- or column-major, pack its bf16 weights ("packed": other
+    dtypes stay row-major), or keep them row-major with products written (W xᵀ)ᵀ ("transposed"), in place; tied
+    weights stay tied."""
+    if layout not in ("row", "column", "packed", "transposed"):
+        raise ValueError(f"layout must be 'row', 'column', 'packed' or 'transposed', got {layout!r}")
     packed: dict[int, torch.Tensor] = {}  # id(weight) -> its packed copy, shared by layers that share it
     for sub in module.modules():
         if not isinstance(sub, nn.Linear) or (layout == "packed" and "packed_weight" in sub.__dict__):
             continue  # already packed, e.g. a target's LM head that heads share
-        if isinstance(sub, PackedLinear):  # back to a plain layer first
+        if isinstance(sub, (PackedLinear, TransposedLinear)):  # back to a plain layer first
             sub.__class__ = nn.Linear
             sub.__dict__.pop("packed_weight", None)
         with torch.no_grad():
@@ -144,6 +170,8 @@ def set_linear_layout(module: nn.Module, layout: str) -> nn.Module:
             sub.weight.data = w.t().contiguous().t() if layout == "column" else w.contiguous()
         if layout == "packed":
             _pack(sub, packed)
+        elif layout == "transposed":
+            sub.__class__ = TransposedLinear
     return module
 
 
@@ -152,6 +180,8 @@ def linear_layout(module: nn.Module) -> str:
     for sub in module.modules():
         if isinstance(sub, PackedLinear):
             return "packed"
+        if isinstance(sub, TransposedLinear):
+            return "transposed"
         if isinstance(sub, nn.Linear):
             w = sub.weight
             return "column" if not w.is_contiguous() and w.t().is_contiguous() else "row"

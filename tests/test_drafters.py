@@ -90,10 +90,12 @@ def test_cuda_decodes_as_the_cpu_and_bf16_speculation_equals_bf16_ar(kind, arch,
         assert sampled.stats.new_tokens == 16
 
 
+@pytest.mark.parametrize("layout", ["column", "transposed"])
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_greedy_equals_plain_greedy_with_column_major_weights(kind, tmp_path):
-    """The CPU default for fp32 (`--weight-layout auto`): the target's linear weights column-major, and the heads
-    loaded for it too; only GEMM kernels change, so outputs still equal plain greedy (in the same layout)."""
-    target = set_linear_layout(tiny_model("llama"), "column")
+def test_greedy_equals_plain_greedy_with_another_weight_layout(kind, layout, tmp_path):
+    """The CPU default for fp32 (`--weight-layout auto`: column-major weights) and the opt-in transposed products:
+    the heads load in the target's layout too; only GEMM kernels change, so outputs still equal plain greedy (in
+    the same layout)."""
+    target = set_linear_layout(tiny_model("llama"), layout)
     check_greedy_equals_plain_greedy(kind, target, tmp_path, DRAFTERS[kind].options[:2])
-    assert linear_layout(load_drafter(tmp_path, target, kind=kind)) == "column"
+    assert linear_layout(load_drafter(tmp_path, target, kind=kind)) == layout

@@ -39,7 +39,9 @@ def add_model_settings(p: argparse.ArgumentParser) -> None:
                    help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such "
                         "as a tree verify run several times faster that way; packed for bf16 on a CPU with native "
                         "bf16, where each weight is packed once for oneDNN instead of at every product; row-major "
-                        "elsewhere), row, column, packed. Only GEMM rounding changes")
+                        "elsewhere), row, column, packed, transposed (row-major weights, products written (W xᵀ)ᵀ: "
+                        "faster on CPUs whose BLAS is slow at few rows either way; scripts/bench_gemm.py compares). "
+                        "Only GEMM rounding changes")
     p.add_argument("--fp32-head", action="store_true",
                    help="with --dtype bfloat16/float16: compute the target's final norm and LM head in fp32, so logits "
                         "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per "

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 from specheads import gemm_layout
 from specheads.gemm_layout import (
     PackedLinear,
+    TransposedLinear,
     linear_layout,
     packing_available,
     resolve_layout,
@@ -51,8 +52,35 @@ def test_column_major_keeps_values_names_and_ties():
     torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
     set_linear_layout(model, "row")
     assert linear_layout(model) == "row" and model.model.layers[0].mlp.up_proj.weight.is_contiguous()
-    with pytest.raises(ValueError, match="'row', 'column' or 'packed'"):
+    with pytest.raises(ValueError, match="'row', 'column', 'packed' or 'transposed'"):
         set_linear_layout(model, "auto")
+
+
+def test_transposed_keeps_values_names_and_ties_and_computes_what_row_major_does():
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    logits = model(ids).logits
+    assert resolve_layout("transposed", "cpu", torch.float32) == "transposed"
+    set_linear_layout(model, "transposed")
+    assert linear_layout(model) == "transposed" and isinstance(model.lm_head, TransposedLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_contiguous()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    layer = copy.deepcopy(model.model.layers[0].mlp.up_proj)
+    assert isinstance(layer, TransposedLinear)
+    x = torch.randn(2, 3, layer.in_features)
+    out = layer(x)
+    assert out.shape == (2, 3, layer.out_features) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    biased = set_linear_layout(torch.nn.Linear(8, 5), "transposed")
+    torch.testing.assert_close(biased(torch.ones(4, 8)),
+                               torch.nn.functional.linear(torch.ones(4, 8), biased.weight, biased.bias))
+    set_linear_layout(model, "row")
+    assert linear_layout(model) == "row" and type(model.lm_head) is torch.nn.Linear
 
 
 def test_load_target_applies_the_layout(tiny_model_dir):
