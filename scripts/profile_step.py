@@ -1,10 +1,11 @@
 """Where a decode step's time goes: a one-token step and a tree verify, split by kind of work.
 
     .venv/bin/python scripts/profile_step.py [--target default] [--dtype auto] [--nodes 1,16] [--context 256]
-        [--reps 20] [--json OUT.json]
+        [--steps hf,lean] [--reps 20] [--json OUT.json]
 
-For each tree size (1 = a plain one-token step) the target's forward runs as the engine runs it
-(`tree_forward` over a `TreeKVCache` holding `--context` tokens) under torch.profiler, and each operator's own
+For each tree size (1 = a plain one-token step) and each of the engine's target forwards (`--steps`: the model's
+own, `hf`, and the lean one, `lean`; see inference/engine/lean_forward.py) the forward runs as the engine runs it
+(`batch_forward` over a `BatchKVCache` row holding `--context` tokens) under torch.profiler, and each operator's own
 time is put in one bucket:
 
 - products: the matrix products (linear layers, the LM head);
@@ -33,9 +34,10 @@ from collections.abc import Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from specheads.inference.engine import cache as cache_module
-from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
-from specheads.inference.engine.engine import tree_forward
+from specheads.inference.engine import batch_cache
+from specheads.inference.engine.batch_cache import BatchKVCache
+from specheads.inference.engine.engine import batch_forward, prefill_forward
+from specheads.inference.engine.lean_forward import LeanForward, lean_forward, resolve_step
 from specheads.inference.engine.tree import DraftTree
 from specheads.target import load_target
 
@@ -65,28 +67,29 @@ def _in_cache(event) -> bool:
 
 @contextlib.contextmanager
 def annotated_cache_updates() -> Iterator[None]:
-    """Within: the cache layers' update runs in a profiler range, so its operators are counted as cache work."""
-    layer = cache_module._GrowableLayer
-    update = layer.update
+    """Within: the cache layers' writes (either forward's) run in a profiler range, so their operators are counted as
+    cache work."""
+    layer = batch_cache._RowsLayer
+    write = layer.write
 
     def annotated(self, *args, **kwargs):
         with record_function(CACHE_RANGE):
-            return update(self, *args, **kwargs)
+            return write(self, *args, **kwargs)
 
-    layer.update = annotated
+    layer.write = annotated
     try:
         yield
     finally:
-        layer.update = update
+        layer.write = write
 
 
-def split(model, cache: TreeKVCache, context: int, tree: DraftTree) -> dict[str, float]:
-    """Seconds per bucket of one profiled forward of `tree` (its wall time under `wall`)."""
+def split(model, cache: BatchKVCache, tree: DraftTree, lean: LeanForward | None = None) -> dict[str, float]:
+    """Seconds per bucket of one profiled forward of `tree` over row 0 (its wall time under `wall`); the forward
+    commits nothing, so the cache is left as it was."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        tree_forward(model, cache, tree)
+        batch_forward(model, cache, [tree], lean=lean)
         wall = time.perf_counter() - start
-    cache.truncate(context)
     seconds: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.name == CACHE_RANGE or not event.name.startswith(("aten::", "mkldnn", "onednn", "quantized::")):
@@ -98,12 +101,10 @@ def split(model, cache: TreeKVCache, context: int, tree: DraftTree) -> dict[str,
     return dict(seconds)
 
 
-def plain_seconds(model, cache: TreeKVCache, context: int, tree: DraftTree) -> float:
+def plain_seconds(model, cache: BatchKVCache, tree: DraftTree, lean: LeanForward | None = None) -> float:
     start = time.perf_counter()
-    tree_forward(model, cache, tree)
-    wall = time.perf_counter() - start
-    cache.truncate(context)
-    return wall
+    batch_forward(model, cache, [tree], lean=lean)
+    return time.perf_counter() - start
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
@@ -141,6 +142,7 @@ def main() -> None:
     p.add_argument("--weight-layout", default="auto")
     p.add_argument("--nodes", default="1,16", help="comma list of tree sizes (1 = a one-token step)")
     p.add_argument("--context", type=int, default=256, help="tokens in the cache before each forward")
+    p.add_argument("--steps", default="hf,lean", help="comma list of target forwards: hf (the model's own), lean")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
@@ -153,18 +155,23 @@ def main() -> None:
     context = torch.randint(100, vocab, (1, args.context), generator=gen)
     trees = {n: DraftTree(tokens=torch.randint(100, vocab, (n,), generator=gen),
                           parents=torch.tensor([-1] + [0] * (n - 1))) for n in sizes}
-    cache = TreeKVCache(model.config, args.context + max(sizes) + 16)
-    runs: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
-    plain: dict[int, list[float]] = {n: [] for n in sizes}
+    steps = {step: lean_forward(model) if resolve_step(step, model) == "lean" else None
+             for step in args.steps.split(",")}
+    cache = BatchKVCache(model.config, rows=1, capacity=args.context + max(sizes) + 16)
+    cases = [(step, n) for n in sizes for step in steps]
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {case: [] for case in cases}
+    plain: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     with torch.inference_mode(), annotated_cache_updates():
-        model(input_ids=context, **cache_kwargs(model, cache), logits_to_keep=1)
+        cache.add_row()
+        prefill_forward(model, cache, 0, context[0])
+        cache.commit(0, torch.arange(args.context))
         for rep in range(args.reps + 1):  # round 0 warms up allocators and kernels
-            for n in sizes:
-                profiled = split(model, cache, args.context, trees[n])
-                unprofiled = plain_seconds(model, cache, args.context, trees[n])
+            for step, n in cases:
+                profiled = split(model, cache, trees[n], steps[step])
+                unprofiled = plain_seconds(model, cache, trees[n], steps[step])
                 if rep:
-                    runs[n].append(profiled)
-                    plain[n].append(unprofiled)
+                    runs[step, n].append(profiled)
+                    plain[step, n].append(unprofiled)
     bandwidth = read_bandwidth()
     weights = weight_bytes(model)
     report = {"dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
@@ -173,16 +180,17 @@ def main() -> None:
     print(f"{report['dtype']}, {report['threads']} threads, {args.context}-token cache; "
           f"weights {weights / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"-> weight read {report['weight_read_ms']:.1f} ms")
-    print(f"{'nodes':>5} {'wall ms':>8} {'profiled':>9} " + " ".join(f"{b:>17}" for b in BUCKETS)
+    print(f"{'step':>5} {'nodes':>5} {'wall ms':>8} {'profiled':>9} " + " ".join(f"{b:>17}" for b in BUCKETS)
           + f" {'products GB/s':>13}")
-    for n in sizes:
-        med = {b: statistics.median(r.get(b, 0.0) for r in runs[n]) for b in (*BUCKETS, "wall")}
-        wall = statistics.median(plain[n])
+    for step, n in cases:
+        med = {b: statistics.median(r.get(b, 0.0) for r in runs[step, n]) for b in (*BUCKETS, "wall")}
+        wall = statistics.median(plain[step, n])
         shares = {b: med[b] / med["wall"] for b in BUCKETS}
         product_bw = weights / med["products"] / 1e9 if med["products"] else float("nan")
-        report["steps"][str(n)] = {"wall_ms": wall * 1e3, "profiled_ms": med["wall"] * 1e3,
-                                   "ms": {b: med[b] * 1e3 for b in BUCKETS}, "products_gb_s": product_bw}
-        print(f"{n:>5} {wall * 1e3:>8.1f} {med['wall'] * 1e3:>9.1f} "
+        report["steps"][f"{step}-{n}"] = {"step": step, "nodes": n, "wall_ms": wall * 1e3,
+                                          "profiled_ms": med["wall"] * 1e3, "ms": {b: med[b] * 1e3 for b in BUCKETS},
+                                          "products_gb_s": product_bw}
+        print(f"{step:>5} {n:>5} {wall * 1e3:>8.1f} {med['wall'] * 1e3:>9.1f} "
               + " ".join(f"{med[b] * 1e3:>8.1f} ms {shares[b]:>4.0%}" for b in BUCKETS) + f" {product_bw:>13.1f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from specheads.inference.proposers.verify_cost import VerifyCost
 
@@ -31,6 +31,10 @@ def tiny_config(arch: str = "llama", *, layers: int = 4, vocab: int = TINY_VOCAB
         return LlamaConfig(**common)
     if arch == "qwen2":
         return Qwen2Config(**common)
+    if arch == "qwen3":  # per-head q/k norms
+        return Qwen3Config(**common, head_dim=hidden // common["num_attention_heads"])
+    if arch == "mistral":  # without a sliding window: full attention in every layer
+        return MistralConfig(**common, sliding_window=None)
     raise ValueError(arch)
 
 

@@ -4,9 +4,9 @@ A spec is an engine method of `specheads.inference.methods.METHODS` (`ar`, `ngra
 `draft:early-exit:N`, each drafter kind as `KIND:HEADS_DIR`; a method with named trees takes an optional `@TREE`
 suffix to run the same heads with another tree, and `+OPTION=VALUE` suffixes set any of the method's options,
 e.g. `+lookup=0` for the heads alone or `+draft_dtype=int8`) or a transformers baseline: `hf` (`generate`),
-`hf-assisted:PATH` (assisted generation with a draft model) and `hf-pld[:N]` (prompt-lookup decoding, N draft
-tokens). Each engine method's options are built, and so checked, while parsing: a bad spec fails before any
-model loads.
+`hf-static` (`generate` with a static KV cache and its decode step compiled by `torch.compile`), `hf-assisted:PATH`
+(assisted generation with a draft model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Each engine
+method's options are built, and so checked, while parsing: a bad spec fails before any model loads.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from specheads.inference.methods import METHODS
 
-BASELINES = ("hf", "hf-assisted", "hf-pld")
+BASELINES = ("hf", "hf-assisted", "hf-pld", "hf-static")
 # "KIND:DIR+lookup=0+draft_dtype=int8": trailing option settings (the value may not contain "+" or "@")
 _OPTION_SUFFIX = re.compile(r"\+([a-z][a-z0-9_-]*)=([^+@]*)$")
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
@@ -60,8 +60,8 @@ def parse_methods(spec: str) -> list[MethodSpec]:
 
 
 def _baseline_spec(name: str, method: str, arg: str) -> MethodSpec:
-    if method == "hf" and arg:
-        raise ValueError(f"method {method} takes no argument, got {name!r}")
+    if method in ("hf", "hf-static") and arg:
+        raise ValueError(f"method {method} takes no argument, got {name!r}; write {method}")
     if method == "hf-pld" and arg and not (arg.isdigit() and int(arg) >= 1):
         raise ValueError(f"{name}: the hf-pld argument is the draft length N >= 1, e.g. hf-pld:10")
     if method == "hf-assisted" and not arg:

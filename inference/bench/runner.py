@@ -9,6 +9,7 @@ Running lives here; tables, files, plots and W&B live in `bench_report.py`.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import CompileConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from specheads.inference.bench.diagnosis import RejectionLog
@@ -30,9 +31,16 @@ from specheads.inference.proposers.parallel_draft import parallel_spec
 from specheads.questions import Question
 from specheads.target import render_chat
 
+log = logging.getLogger(__name__)
+STATIC_CACHE_BUCKET = 256  # hf-static sizes its static KV cache in multiples of this many positions
+
 
 class Runner(Protocol):
-    """One method behind one call; `measures_tau` is False where the steps are not visible (HF)."""
+    """One method behind one call; `measures_tau` is False where the steps are not visible (HF).
+
+    A runner that sizes a buffer once for a whole run (hf-static's static KV cache) also has `reserve(positions)`;
+    `run_bench` calls it before the warm-up with the most positions (prompt + answer) one generation can take.
+    """
 
     measures_tau: bool
 
@@ -107,14 +115,62 @@ class _HFGenerate:
         return new, stats
 
 
+class _HFStaticGenerate(_HFGenerate):
+    """transformers `generate` with a static KV cache and its one-token decode step compiled by `torch.compile`
+    (the prefill runs eagerly): the fastest plain decoding transformers offers, on CPU as on GPU.
+
+    `generate` compiles by itself only on accelerators (CUDA, XPU, ...); the `CompileConfig` flag below makes it
+    compile on CPU too. Compilation happens in the first call, which `run_bench`'s warm-up discards; that call's
+    time is logged once.
+
+    The static cache is sized once for the whole run: the longest generation `reserve` is told, rounded up to a
+    multiple of STATIC_CACHE_BUCKET, so prompts and turns of every length reuse one compiled graph. A larger cache
+    costs a little attention over the unused positions at every step, as it does in any static-cache deployment; a
+    new length would cost a recompile inside a timed generation. A generation that needs more than was reserved
+    grows the cache to its own rounded length (transformers keeps the largest length a model has used) and
+    recompiles, with a warning.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__(model)
+        compile_config = CompileConfig()  # transformers' defaults: inductor, mode "reduce-overhead" (CUDA graphs)
+        compile_config._compile_all_devices = True  # what transformers reads to compile on any device, CPU included
+        self.extra.update(cache_implementation="static", compile_config=compile_config)
+        self.cache_len = 0  # static cache positions; 0 until the first reserve or generation
+        self.calls = 0
+
+    def reserve(self, positions: int) -> None:
+        self.cache_len = max(self.cache_len, -(-positions // STATIC_CACHE_BUCKET) * STATIC_CACHE_BUCKET)
+
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
+        reserved, need = self.cache_len, len(prompt) + max_new_tokens
+        self.reserve(need)
+        self.extra["max_cache_len"] = self.cache_len
+        new, stats = super().generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      stop_token_ids=stop_token_ids)
+        self.calls += 1
+        if self.calls == 1:
+            log.info("hf-static: the first generate took %.1f s, compiling the decode step for a static cache of %d "
+                     "positions", stats.wall_s, self.cache_len)
+        elif self.cache_len != reserved:
+            log.warning("hf-static: a generation needed %d cache positions, more than the %d reserved; the static "
+                        "cache grew to %d and the decode step recompiled within this generation's time", need,
+                        reserved, self.cache_len)
+        return new, stats
+
+
 def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader,
-                  diagnose: bool = False) -> dict[str, Runner]:
+                  diagnose: bool = False, step: str = "auto") -> dict[str, Runner]:
     """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
-    `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`)."""
+    `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`).
+    Every engine method runs the target forward `step` names (`Engine`'s argument)."""
     runners: dict[str, Runner] = {}
     for spec in specs:
         if spec.method == "hf":
             runners[spec.name] = _HFGenerate(target)
+        elif spec.method == "hf-static":
+            runners[spec.name] = _HFStaticGenerate(target)
         elif spec.method == "hf-assisted":
             assistant = load_draft(spec.arg)
             if parallel_spec(assistant.config) is not None:
@@ -126,7 +182,8 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
             runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
         else:
             log = RejectionLog() if diagnose else None
-            engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log)
+            engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log,
+                            step=step)
             runners[spec.name] = _EngineRunner(engine, log)
     return runners
 
@@ -160,8 +217,9 @@ def run_bench(
 ) -> Iterator[Record]:
     """Yield one Record per (question, method, turn), methods interleaved within each question.
 
+    0. Tell runners that size a buffer once (`reserve`) the most positions one generation of the run can take.
     1. Run the first `warmup` questions' first turn once per method and discard them (allocator and
-       kernel warm-up, HF's lazy set-up).
+       kernel warm-up, HF's lazy set-up, hf-static's compilation).
     2. For each question, for each method: answer turn 1; for turn 2 render [user 1, the method's own
        answer 1, user 2] with the chat template and answer that.
     With a seed, each (question, turn) draws from its own stream (`SamplingParams.for_draw`), the same for
@@ -180,6 +238,11 @@ def run_bench(
         return runners[name].generate(prompt, max_new_tokens=max_new_tokens,
                                       sampling=sampling.for_draw(q.question_id, turn), stop_token_ids=stop_token_ids)
 
+    reserving = [r for r in runners.values() if hasattr(r, "reserve")]
+    if reserving and questions:
+        positions = _longest_generation(tokenizer, questions, max_new_tokens, turns)
+        for runner in reserving:
+            runner.reserve(positions)
     for q in questions[:warmup]:
         for name in runners:
             gen(name, render_chat(tokenizer, [q.turns[0]]), q, 1)
@@ -195,6 +258,17 @@ def run_bench(
                 ids, stats = gen(name, prompt, q, t + 1)
                 yield Record(q.question_id, q.category, t + 1, name, prompt, ids, stats, runner.measures_tau)
                 history.append(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _longest_generation(tokenizer: PreTrainedTokenizerBase, questions: Sequence[Question], max_new_tokens: int,
+                        turns: int) -> int:
+    """The most positions (prompt + answer) one generation of the run can take. A second turn's prompt holds the
+    method's own first answer, counted as `max_new_tokens` tokens; its text re-encoded can take a few more, which
+    the runners' rounding up (or, past it, their growing) absorbs."""
+    most = max(len(render_chat(tokenizer, q.turns[:1])) for q in questions)
+    if turns == 2:
+        most = max(most, max(len(render_chat(tokenizer, q.turns[:2], [""])) for q in questions) + max_new_tokens)
+    return most + max_new_tokens
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:

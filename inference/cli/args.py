@@ -42,6 +42,10 @@ def add_model_settings(p: argparse.ArgumentParser) -> None:
                         "elsewhere), row, column, packed, transposed (row-major weights, products written (W xᵀ)ᵀ: "
                         "faster on CPUs whose BLAS is slow at few rows either way; scripts/bench_gemm.py compares). "
                         "Only GEMM rounding changes")
+    p.add_argument("--step", default="auto", choices=("auto", "lean", "hf"),
+                   help="the target's forward in the engine: lean (fused q/k/v and gate/up products, fewer calls per "
+                        "layer; Llama, Qwen2, Qwen3 and Mistral without sliding window), hf (the model's own forward), "
+                        "auto (lean where the target allows it, else hf). Every method of a run uses the same one")
     p.add_argument("--fp32-head", action="store_true",
                    help="with --dtype bfloat16/float16: compute the target's final norm and LM head in fp32, so logits "
                         "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per "

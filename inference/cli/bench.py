@@ -23,8 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     suffixes += [f"{name}:DIR+lookup=N" for name, m in METHODS.items() if m.takes("lookup")]
     p.add_argument("--methods", default="ar,hf,ngram",
                    help=f"comma list of engine methods: {'; '.join(engine)}; also {'; '.join(suffixes)}; and the "
-                        f"baselines {', '.join(BASELINES)} (hf = transformers generate, hf-assisted:PATH its assisted "
-                        "generation with a draft model, hf-pld[:N] its prompt lookup). Default: ar,hf,ngram")
+                        f"baselines {', '.join(BASELINES)} (hf = transformers generate, hf-static the same with its "
+                        "static cache and torch.compile, hf-assisted:PATH its assisted generation with a draft model, "
+                        "hf-pld[:N] its prompt lookup). Default: ar,hf,ngram")
     shared.add_questions(p, limit_help="first N questions only (N >= 1; omit for all)",
                          per_category_help="first N questions of every category: a balanced subset (MT-bench lists "
                                            "its categories in blocks)")
@@ -73,11 +74,12 @@ def run(args: argparse.Namespace) -> None:
         "limit": args.limit, "per_category": args.per_category, "num_questions": len(questions), "turns": args.turns,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "warmup": args.warmup, "device": args.device, "dtype": args.dtype,
-        "weight_layout": args.weight_layout, "fp32_head": args.fp32_head, "adapter": args.adapter})
+        "weight_layout": args.weight_layout, "step": args.step, "fp32_head": args.fp32_head, "adapter": args.adapter})
 
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = shared.load_model(args)
-    runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose)
+    runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose,
+                            step=args.step)
 
     # 3. Run, then report; in greedy runs every divergence from ar gets the fp32 margin at which it happened.
     records, interrupted = bench_run.collect(

@@ -37,20 +37,28 @@ class _RowsLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys, self.values = self.write(key_states, value_states)
+        return self.keys, self.values
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor,
+              span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the window rows' new entries [B, H, W, D], each right after its row's prefix; return the window's
+        keys and values [B, H, S, D] over S = `span` slots (default: the longest prefix plus W, the least that holds
+        them; a larger span adds slots the mask must hide)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first, lengths = self._owner.window_rows, self._owner.lengths
         width = key_states.shape[2]
         rows = range(first, first + key_states.shape[0])
         end = max(lengths[r] for r in rows) + width
+        assert span is None or span >= end, (span, end)
+        end = span or end
         # every row keeps its entries (the longest prefix bounds them; stale slots past a row's length are masked)
         self._kbuf, self._vbuf = (grown(buf, end, max(lengths, default=0)) for buf in (self._kbuf, self._vbuf))
         for i, r in enumerate(rows):  # each row's new entries right after its own prefix
             self._kbuf[r, :, lengths[r] : lengths[r] + width] = key_states[i]
             self._vbuf[r, :, lengths[r] : lengths[r] + width] = value_states[i]
-        self.keys = self._kbuf[rows.start : rows.stop, :, :end]
-        self.values = self._vbuf[rows.start : rows.stop, :, :end]
-        return self.keys, self.values
+        return self._kbuf[rows.start : rows.stop, :, :end], self._vbuf[rows.start : rows.stop, :, :end]
 
     def get_seq_length(self) -> int:  # the longest prefix in the next forward's rows (HF sizes its masks by it)
         return max(self._owner.window_lengths(), default=0)
@@ -136,13 +144,14 @@ class BatchKVCache(DynamicCache):
         self.lengths[row] += n
 
 
-def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor:  # [B, 1, W, max(lengths) + W] additive
+def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dtype, device: torch.device,
+                    span: int | None = None) -> torch.Tensor:  # [B, 1, W, span or max(lengths) + W] additive
     """Row b's query i sees keys [0, lengths[b]) (its committed prefix) and its tree's ancestors of node i (itself
-    included) at lengths[b] + j; nothing else: not other rows' longer prefixes, not stale slots, not padding. Padding
-    queries (i >= the row's tree size) see only their own slot, so their softmax stays finite."""
+    included) at lengths[b] + j; nothing else: not other rows' longer prefixes, not stale slots, not padding, not
+    the slots a longer `span` adds. Padding queries (i >= the row's tree size) see only their own slot, so their
+    softmax stays finite."""
     width = max(t.size for t in trees)
-    total = max(lengths) + width
+    total = span or max(lengths) + width
     visible = torch.zeros(len(trees), width, total, dtype=torch.bool)
     for b, (tree, length) in enumerate(zip(trees, lengths)):
         n = tree.size
@@ -152,6 +161,15 @@ def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dty
         visible[b, pad, :length] = False
         visible[b, pad, length + pad] = True
     return additive_mask(visible, dtype, device)
+
+
+def causal_mask(lengths: list[int], width: int, span: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:  # [B, 1, W, span] additive
+    """Row b's query i sees its prefix and its inputs 0..i (a chain: a prefill, or plain decoding) in a window of
+    `span` slots."""
+    keys = torch.arange(span)
+    limit = torch.tensor(lengths)[:, None] + torch.arange(width)  # [B, W]: the last slot each query sees
+    return additive_mask(keys <= limit[..., None], dtype, device)
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

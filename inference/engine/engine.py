@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask
+from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.lean_forward import LeanForward, lean_forward, resolve_step
 from specheads.inference.engine.proposer import (
     ProposalContext,
     Proposer,
@@ -82,9 +83,10 @@ def tree_forward(
 
 
 def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[DraftTree], first_row: int = 0, *,
-                  output_hidden_states: bool = False):
+                  output_hidden_states: bool = False, lean: LeanForward | None = None):
     """One forward over rows first_row .. first_row + len(trees) - 1 of `cache`, row b's input `trees[b]` padded to the
-    widest tree (positions = the row's length + depth); nothing is committed."""
+    widest tree (positions = the row's length + depth); nothing is committed. With `lean`, that forward runs it
+    (`lean_forward.py`) instead of the model's own."""
     device = model_device(model)
     lengths = cache.lengths[first_row : first_row + len(trees)]
     width = max(t.size for t in trees)
@@ -94,12 +96,32 @@ def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[Draft
         tokens[b, : tree.size] = tree.tokens.cpu()
         positions[b, : tree.size] = tree.depths.cpu() + length
         positions[b, tree.size :] = length  # padding: its outputs are never read
+    window = cache.window(first_row, len(trees))
+    if lean is not None:
+        span = lean.span(max(lengths) + width)
+        mask = batch_tree_mask(trees, lengths, model.dtype, device, span=span)
+        return lean(tokens.to(device), positions.to(device), window, mask, output_hidden_states=output_hidden_states)
     # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
     # anything else needs ours.
     mask = None if len(trees) == 1 and trees[0].is_chain else batch_tree_mask(trees, lengths, model.dtype, device)
     return model(input_ids=tokens.to(device), position_ids=positions.to(device), attention_mask=mask,
-                 output_hidden_states=output_hidden_states,
-                 **cache_kwargs(model, cache.window(first_row, len(trees))))
+                 output_hidden_states=output_hidden_states, **cache_kwargs(model, window))
+
+
+def prefill_forward(model: PreTrainedModel, cache: BatchKVCache, row: int, prompt: torch.Tensor, *,
+                    output_hidden_states: bool = False, lean: LeanForward | None = None):
+    """One forward over a whole prompt [P] into the (empty) row `row`; logits only for its last position."""
+    device = model_device(model)
+    window = cache.window(row, 1)
+    if lean is None:
+        return model(input_ids=prompt[None].to(device), **cache_kwargs(model, window), logits_to_keep=1,
+                     output_hidden_states=output_hidden_states)
+    n = prompt.shape[0]
+    length = cache.lengths[row]
+    mask = causal_mask([length], n, lean.span(length + n), model.dtype, device)
+    positions = torch.arange(length, length + n, device=device)[None]
+    return lean(prompt[None].to(device), positions, window, mask, logits_to_keep=1,
+                output_hidden_states=output_hidden_states)
 
 
 _checked_models: weakref.WeakSet = weakref.WeakSet()  # models that passed; weak so ids are never reused
@@ -208,13 +230,19 @@ class Engine:
 
     With `fallback`, a proposer that raises or returns a tree `check_proposal` refuses makes that step a plain
     (root-only) step, which is exact like any other, and `fallback` is told the reason; without it the error
-    propagates (benchmarks and tests want proposer bugs loud)."""
+    propagates (benchmarks and tests want proposer bugs loud).
+
+    `step` chooses the target's forward: "lean" (`lean_forward.py`: fused projections, fewer calls; Llama-family
+    targets), "hf" (the model's own forward) or "auto" (lean where the target's family allows it). Every step of a
+    run, `ar`'s included, uses the same one."""
 
     def __init__(self, model: PreTrainedModel, proposer: Proposer, *, max_context: int | None = None,
                  fallback: FallbackHandler | None = None, max_rows: int = 1,
-                 speculation: Speculation | None = None) -> None:
+                 speculation: Speculation | None = None, step: str = "auto") -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.step_kind = resolve_step(step, model)
+        self.lean = lean_forward(model) if self.step_kind == "lean" else None
         self.model = model.eval()
         self.proposer = proposer
         self.device = model_device(model)
@@ -338,8 +366,7 @@ class Engine:
         seq.row = cache.add_row()
         prompt = seq.tokens[: seq.n_prompt]
         needs_hidden = bool(seq.proposer.needs_target_hidden)
-        out = self.model(input_ids=prompt[None].to(self.device), **cache_kwargs(self.model, cache.window(seq.row, 1)),
-                         logits_to_keep=1, output_hidden_states=needs_hidden)
+        out = prefill_forward(self.model, cache, seq.row, prompt, output_hidden_states=needs_hidden, lean=self.lean)
         hidden = out.hidden_states if needs_hidden else None
         try:
             seq.proposer.start(seq.context(), tuple(h[:, :-1] for h in hidden) if hidden and seq.n_prompt > 1 else None)
@@ -360,7 +387,8 @@ class Engine:
         first = seqs[0].row
         assert [s.row for s in seqs] == list(range(first, first + len(seqs))), "running rows must be consecutive"
         needs_hidden = any(s.proposer.needs_target_hidden for s in seqs)
-        out = batch_forward(self.model, cache, [s.tree for s in seqs], first, output_hidden_states=needs_hidden)
+        out = batch_forward(self.model, cache, [s.tree for s in seqs], first, output_hidden_states=needs_hidden,
+                            lean=self.lean)
         for b, seq in enumerate(seqs):
             n = seq.tree.size
             seq.hidden = tuple(h[b : b + 1, :n] for h in out.hidden_states) if needs_hidden else None

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specheads.gemm_layout import linear_layout
-from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.lean_forward import resolve_step
 from specheads.inference.engine.tree import DraftTree
 from specheads.target import specheads_home
 
@@ -86,7 +86,8 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_S
     """
     # Imported here: the engine imports every proposer, and the proposers import this module.
     from specheads.inference.engine.batch_cache import BatchKVCache
-    from specheads.inference.engine.engine import batch_forward, tree_forward
+    from specheads.inference.engine.engine import batch_forward, prefill_forward
+    from specheads.inference.engine.lean_forward import lean_forward
 
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -98,22 +99,17 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_S
     trees = {n: DraftTree(tokens=torch.randint(0, vocab, (n,), generator=gen),
                           parents=torch.tensor([-1] + [0] * (n - 1))) for n in sizes}
     capacity = context + max(sizes) + 16
-    if batch == 1:  # the forward of one-sequence decoding
-        cache = TreeKVCache(model.config, capacity=capacity)
-        model(input_ids=prompts.to(device), **cache_kwargs(model, cache), logits_to_keep=1)
+    # the forward the engine runs on this model by default (`step="auto"`), over rows as the engine keeps them; a
+    # forward writes its rows' entries past their lengths and commits nothing, so it can be repeated as is
+    lean = lean_forward(model) if resolve_step("auto", model) == "lean" else None
+    rows = BatchKVCache(model.config, rows=batch, capacity=capacity)
+    for prompt in prompts:
+        row = rows.add_row()
+        prefill_forward(model, rows, row, prompt, lean=lean)
+        rows.commit(row, torch.arange(context))
 
-        def forward(tree: DraftTree) -> None:
-            tree_forward(model, cache, tree)
-            cache.truncate(context)
-    else:  # a forward writes its rows' entries past their lengths and commits nothing: it can be repeated as is
-        rows = BatchKVCache(model.config, rows=batch, capacity=capacity)
-        for prompt in prompts:
-            row = rows.add_row()
-            model(input_ids=prompt[None].to(device), **cache_kwargs(model, rows.window(row, 1)), logits_to_keep=1)
-            rows.commit(row, torch.arange(context))
-
-        def forward(tree: DraftTree) -> None:
-            batch_forward(model, rows, [tree] * batch)
+    def forward(tree: DraftTree) -> None:
+        batch_forward(model, rows, [tree] * batch, lean=lean)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(reps + 1):  # round 0 warms up allocators and kernels
         for n in sizes:
@@ -193,8 +189,10 @@ def prepare_verify_costs(model: PreTrainedModel, max_batch: int, cache_dir: Path
 
 
 def machine_key(model: PreTrainedModel) -> str:
-    """What step costs depend on: the model's shapes, dtype, weight layout, device, threads and software."""
-    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), linear_layout(model), *_setting(model)]
+    """What step costs depend on: the model's shapes, dtype, weight layout, forward (lean or HF), device, threads and
+    software."""
+    parts = [model.config.to_json_string(use_diff=False), str(model.dtype), linear_layout(model),
+             resolve_step("auto", model), *_setting(model)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -4,11 +4,13 @@ rows, plots, two turns, measured τ for training, W&B offline, Ctrl-C, and one-l
 from __future__ import annotations
 
 import json
+import logging
 import re
 import statistics
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import specheads.inference.bench.runner as bench
 import specheads.inference.engine.engine as engine_mod
@@ -123,6 +125,46 @@ def test_training_free_methods_run_and_report(tiny_model_dir, questions_file, tm
         data = (out_dir / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, name
     assert json.loads((out_dir / "config.json").read_text())["turns"] == 2
+
+
+def test_hf_static_parses_and_takes_no_argument():
+    spec = parse_methods("ar,hf-static")[1]
+    assert (spec.name, spec.method, spec.arg, spec.options) == ("hf-static", "hf-static", None, None)
+    for bad in ("hf-static:x", "hf-static+lookup=0"):
+        with pytest.raises(ValueError, match=re.escape(f"method hf-static takes no argument, got {bad!r}; "
+                                                       "write hf-static")):
+            parse_methods(f"ar,{bad}")
+
+
+def test_hf_static_compiles_once_and_decodes_as_plain_generate(tiny_model_dir, questions_file, tmp_path, capsys,
+                                                               caplog):
+    """Static cache + torch.compile on CPU: the warm-up compiles the decode step once, the six prompts (three
+    questions, two turns, of several lengths) reuse that graph, and every answer equals plain `generate`'s."""
+    caplog.set_level(logging.INFO, logger=bench.__name__)
+    graphs = counters["stats"]["unique_graphs"]
+    out_dir = tmp_path / "bench"
+    code, out, err = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,hf,hf-static", "--questions",
+                              str(questions_file), "--turns", "2", "--max-new-tokens", "10", "--warmup", "1",
+                              "--output", str(out_dir), "--no-plots"], capsys)
+    assert code == 0, err
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # compiled (on CPU), and only once
+    messages = [r.getMessage() for r in caplog.records if r.name == bench.__name__]
+    assert len(messages) == 1 and re.fullmatch(r"hf-static: the first generate took \d+\.\d s, compiling the decode "
+                                                r"step for a static cache of 256 positions", messages[0]), messages
+
+    rows = read_rows(out_dir)
+    outputs = {(r["question_id"], r["turn"], r["method"]): r for r in rows}
+    assert len({r["prompt_tokens"] for r in rows if r["method"] == "hf-static"}) >= 3  # prompts of several lengths
+    for q in QUESTIONS:
+        for turn in (1, 2):
+            static, plain = outputs[q["question_id"], turn, "hf-static"], outputs[q["question_id"], turn, "hf"]
+            assert static["output_ids"] == plain["output_ids"] and len(static["output_ids"]) > 0
+            assert static["matches_ar"] is True and static["stats"]["tau"] is None
+    overall = {s["method"]: s for s in json.loads((out_dir / "summary.json").read_text()) if s["category"] == "all"}
+    static = overall["hf-static"]
+    assert static["exact_matches"] == "6/6" and static["tau"] is None and static["acceptance_rate"] is None
+    assert static["speedup_vs_ar"] > 0 and static["speedup_vs_hf"] > 0 and static["ttft_s"] > 0
+    assert "| hf-static | " in out
 
 
 def test_summary_aggregates_by_the_glossary():
@@ -275,7 +317,8 @@ def test_heads_of_another_target_fail_as_one_line(tiny_model_dir, questions_file
 @pytest.mark.parametrize("args,message", [
     (["--limit", "0"], "--limit must be >= 1 (or omitted for all questions), got 0"),
     (["--methods", "ar,nope"], f"unknown method 'nope' in --methods; valid: {', '.join(METHODS.names())}, hf, "
-                               "hf-assisted, hf-pld"),
+                               "hf-assisted, hf-pld, hf-static"),
+    (["--methods", "ar,hf-static:x"], "method hf-static takes no argument, got 'hf-static:x'; write hf-static"),
     (["--methods", "ar,hf-assisted"], "method hf-assisted needs a path: hf-assisted:PATH"),
     (["--methods", "ar,ar"], "listed twice"),
     (["--methods", "ngram:3"], "method ngram takes no argument"),

@@ -1,0 +1,195 @@
+"""The target's forward without transformers' per-call overhead, for Llama-family decoders.
+
+A one-token step of a small target on CPU spends a third or more of its time outside the matrix products: module
+calls, mask and cache bookkeeping, and separate q/k/v and gate/up products (docs/results.md, "where a decode step
+goes"). `LeanForward` runs the maths of the HF model's own forward over the engine's `BatchKVCache`, in fewer calls:
+
+1. q, k and v come from one product on their concatenated weights, gate and up from another: two products per layer
+   instead of five, each fused weight stored in the model's own layout (packed bf16, column-major fp32, ...);
+2. RoPE comes from the model's rotary module; each row's new k/v entries are written in place right after its
+   committed prefix (`BatchKVCache`'s contract), and SDPA attends over the first `span` slots of the row buffers
+   under the engine's mask, `span` rounded up to a multiple of SPAN_STEP so a run sees few distinct shapes;
+3. the norms, o_proj, down_proj, final norm and LM head are the model's own modules, so the weight layout and
+   `--fp32-head` apply unchanged.
+
+Its outputs equal the HF forward's up to the rounding of the fused products. Every engine method, `ar` included,
+runs through the same forward, so speculative greedy output still equals plain greedy output
+(tests/inference/engine/test_lean_forward.py). Families it covers are listed in LEAN_MODEL_TYPES; any other target
+runs the HF forward (`step="auto"`), or is refused by name (`step="lean"`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from specheads.gemm_layout import linear_layout, set_linear_layout
+from specheads.hf import decoder_of, text_config
+from specheads.inference.engine.batch_cache import BatchKVCache
+
+# Families whose decoder layer is exactly: input norm -> attention (q/k/v/o projections, optional per-head q/k norms,
+# RoPE, full causal attention scaled by head_dim^-0.5) -> residual -> post-attention norm -> gated MLP -> residual.
+LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SPAN_STEP = 64  # key slots attended are rounded up to a multiple of this (masked), so shapes change rarely
+STEPS = ("auto", "lean", "hf")
+
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_ATTN_OPTIONAL = {"q_norm", "k_norm", "rotary_emb"}
+_MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+
+
+def lean_unsupported(model: PreTrainedModel) -> str | None:
+    """Why `LeanForward` cannot run `model` (None: it can)."""
+    cfg = text_config(model)
+    if cfg.model_type not in LEAN_MODEL_TYPES:
+        return f"model type {cfg.model_type!r} is not one of {', '.join(LEAN_MODEL_TYPES)}"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return "some layers use sliding-window or other non-full attention"
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None) is not None:
+        return "it uses sliding-window attention"
+    try:
+        decoder = decoder_of(model)
+    except ValueError as err:
+        return str(err)
+    if not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "embed_tokens"):
+        return "its decoder has no rotary_emb or embed_tokens"
+    for layer in decoder.layers:
+        names = {name for name, _ in layer.named_children()}
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if names != _LAYER_PARTS or attn is None or mlp is None:
+            return f"its decoder layer holds {sorted(names)}, not {sorted(_LAYER_PARTS)}"
+        attn_names = {name for name, _ in attn.named_children()}
+        if not _ATTN_PARTS <= attn_names or attn_names - _ATTN_PARTS - _ATTN_OPTIONAL:
+            return f"its attention holds {sorted(attn_names)}"
+        if {name for name, _ in mlp.named_children()} != _MLP_PARTS:
+            return "its MLP is not a gated gate/up/down MLP"
+        if not all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTN_PARTS):
+            return "its attention projections are not linear layers"
+        head_dim = attn.head_dim
+        if abs(attn.scaling - head_dim**-0.5) > 1e-12 or getattr(cfg, "attn_logit_softcapping", None):
+            return "its attention is scaled or soft-capped otherwise than by head_dim^-0.5"
+    return None
+
+
+def resolve_step(step: str, model: PreTrainedModel) -> str:
+    """"lean" or "hf" for `step` ("auto": lean where the model's family allows it); a bad name or a lean step the
+    model cannot take is refused with the reason."""
+    if step not in STEPS:
+        raise ValueError(f"unknown step {step!r}; use one of: {', '.join(STEPS)}")
+    reason = lean_unsupported(model) if step != "hf" else None
+    if step == "lean" and reason:
+        raise ValueError(f"--step lean cannot run {type(model).__name__}: {reason}; use --step hf (or auto)")
+    if step == "auto":
+        return "hf" if reason else "lean"
+    return step
+
+
+def _fused(parts: list[nn.Linear], layout: str) -> nn.Linear:
+    """One linear layer whose output is the concatenation of `parts`' outputs, in `layout`."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    biases = [p.bias for p in parts]
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if biases[0] is not None:
+        fused.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+    return set_linear_layout(fused, layout)
+
+
+class _LeanLayer:
+    def __init__(self, layer: nn.Module, layout: str) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
+        self.inter = mlp.gate_proj.out_features
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], layout)
+        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], layout)
+        self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer, mask: torch.Tensor,
+                 span: int) -> torch.Tensor:
+        b, w, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(b, w, -1, d), k.view(b, w, -1, d), v.view(b, w, -1, d)
+        if self.q_norm is not None:  # Qwen3: per-head norms before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        keys, values = cache_layer.write(k, v, span)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        x = x + self.o_proj(out.transpose(1, 2).reshape(b, w, -1))
+        gate, up = self.gate_up(self.post_norm(x)).split([self.inter, self.inter], dim=-1)
+        return x + self.down_proj(self.act(gate) * up)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor  # [B, W or logits_to_keep, V]
+    hidden_states: tuple[torch.Tensor, ...] | None  # as HF's: embeddings, each layer's output, the last normed
+
+
+class LeanForward:
+    """The forward of a Llama-family target over a `BatchKVCache` window (see the module doc). Build it with
+    `lean_forward(model)`, which reuses one per model."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        reason = lean_unsupported(model)
+        if reason:
+            raise ValueError(f"the lean forward cannot run {type(model).__name__}: {reason}")
+        decoder = decoder_of(model)
+        # the model's own modules, not the model: `lean_forward`'s per-model store must not keep the model alive
+        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.head = model.get_output_embeddings()
+        self.layers = [_LeanLayer(layer, linear_layout(layer)) for layer in decoder.layers]
+
+    @staticmethod
+    def span(needed: int) -> int:
+        """Key slots attended for a forward that needs `needed` (the longest prefix plus the input width)."""
+        return -(-needed // SPAN_STEP) * SPAN_STEP
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: BatchKVCache, mask: torch.Tensor,
+                 *, logits_to_keep: int = 0, output_hidden_states: bool = False) -> LeanOutput:
+        """input_ids, position_ids [B, W] for the cache's window rows; mask [B, 1, W, S] additive, S a `span`:
+        each row's new entries are written at its length, attention reads the window's first S slots."""
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, position_ids)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, W, D]: broadcast over heads
+        span = mask.shape[-1]
+        hidden = [x] if output_hidden_states else None
+        for layer, cache_layer in zip(self.layers, cache.layers):
+            x = layer(x, cos, sin, cache_layer, mask, span)
+            if hidden is not None:
+                hidden.append(x)
+        if hidden is None and logits_to_keep:
+            x = x[:, -logits_to_keep:]  # only the kept positions need the final norm
+        x = self.norm(x)
+        if hidden is not None:
+            hidden[-1] = x  # HF's last hidden state is the normed one
+            x = x[:, -logits_to_keep:] if logits_to_keep else x
+        return LeanOutput(logits=self.head(x),
+                          hidden_states=tuple(hidden) if hidden is not None else None)
+
+
+_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LeanForward (fused copies made once)
+
+
+def lean_forward(model: PreTrainedModel) -> LeanForward:
+    """The model's `LeanForward`, built once per model: its fused weights are copies, so build it after the model's
+    last change (`load_target` returns it finished)."""
+    if model not in _built:
+        _built[model] = LeanForward(model)
+    return _built[model]
