@@ -4,14 +4,16 @@
         [--steps hf,lean] [--reps 20] [--json OUT.json]
 
 For each tree size (1 = a plain one-token step) and each of the engine's target forwards (`--steps`: the model's
-own, `hf`, and the lean one, `lean`; see inference/engine/lean_forward.py) the forward runs as the engine runs it
+own, `hf`; the lean one, `lean`; the lean one with its elementwise work compiled, `compiled`; see
+inference/engine/lean_forward.py) the forward runs as the engine runs it
 (`batch_forward` over a `BatchKVCache` row holding `--context` tokens) under torch.profiler, and each operator's own
 time is put in one bucket:
 
 - products: the matrix products (linear layers, the LM head);
 - attention: scaled dot-product attention and what it calls;
 - cache: everything inside the KV cache's update (writing the new keys and values, growing the buffers);
-- norms/elementwise: every other operator (RMSNorm, rotary embeddings, the MLP's activation, residual adds, casts);
+- norms/elementwise: every other operator (RMSNorm, rotary embeddings, the MLP's activation, residual adds, casts),
+  and a compiled graph's own time (its fused kernels);
 - python/dispatch: the wall time no operator accounts for (Python, module calls, argument checks, dispatch).
 
 A memory-bandwidth probe then reads a buffer larger than the caches, so the products' time can be set against
@@ -42,6 +44,7 @@ from specheads.inference.engine.tree import DraftTree
 from specheads.target import load_target
 
 CACHE_RANGE = "specheads::cache_update"
+COMPILED_GRAPH = "CompiledFxGraph"  # the profiler's event around a torch.compile graph's generated code
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::matmul", "aten::linear", "mkldnn", "onednn",
             "aten::_weight_int8", "quantized::linear")
 ATTENTION = ("scaled_dot_product", "flash_attention", "aten::_softmax", "aten::softmax", "aten::baddbmm")
@@ -92,6 +95,9 @@ def split(model, cache: BatchKVCache, tree: DraftTree, lean: LeanForward | None 
         wall = time.perf_counter() - start
     seconds: dict[str, float] = defaultdict(float)
     for event in prof.events():
+        if COMPILED_GRAPH in event.name:  # a compiled graph's own time is its fused kernels (elementwise work)
+            seconds["norms/elementwise"] += event.self_cpu_time_total / 1e6
+            continue
         if event.name == CACHE_RANGE or not event.name.startswith(("aten::", "mkldnn", "onednn", "quantized::")):
             continue
         own = event.self_cpu_time_total / 1e6
@@ -142,7 +148,8 @@ def main() -> None:
     p.add_argument("--weight-layout", default="auto")
     p.add_argument("--nodes", default="1,16", help="comma list of tree sizes (1 = a one-token step)")
     p.add_argument("--context", type=int, default=256, help="tokens in the cache before each forward")
-    p.add_argument("--steps", default="hf,lean", help="comma list of target forwards: hf (the model's own), lean")
+    p.add_argument("--steps", default="hf,lean", help="comma list of target forwards: hf (the model's own), lean, "
+                                                      "compiled (lean with its elementwise work compiled)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
@@ -155,7 +162,11 @@ def main() -> None:
     context = torch.randint(100, vocab, (1, args.context), generator=gen)
     trees = {n: DraftTree(tokens=torch.randint(100, vocab, (n,), generator=gen),
                           parents=torch.tensor([-1] + [0] * (n - 1))) for n in sizes}
-    steps = {step: lean_forward(model) if resolve_step(step, model) == "lean" else None
+    for step in args.steps.split(","):
+        if step not in ("hf", "lean", "compiled"):
+            p.error(f"--steps: unknown step {step!r}; use hf, lean, compiled")
+        resolve_step("hf" if step == "hf" else "lean", model)  # a target the lean forward cannot run is refused here
+    steps = {step: None if step == "hf" else lean_forward(model, compiled=step == "compiled")
              for step in args.steps.split(",")}
     cache = BatchKVCache(model.config, rows=1, capacity=args.context + max(sizes) + 16)
     cases = [(step, n) for n in sizes for step in steps]

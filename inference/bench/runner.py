@@ -161,10 +161,10 @@ class _HFStaticGenerate(_HFGenerate):
 
 
 def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader,
-                  diagnose: bool = False, step: str = "auto") -> dict[str, Runner]:
+                  diagnose: bool = False, step: str = "auto", compile: bool = False) -> dict[str, Runner]:
     """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
     `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`).
-    Every engine method runs the target forward `step` names (`Engine`'s argument)."""
+    Every engine method runs the target forward `step` and `compile` set (`Engine`'s arguments)."""
     runners: dict[str, Runner] = {}
     for spec in specs:
         if spec.method == "hf":
@@ -183,7 +183,7 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
         else:
             log = RejectionLog() if diagnose else None
             engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log,
-                            step=step)
+                            step=step, compile=compile)
             runners[spec.name] = _EngineRunner(engine, log)
     return runners
 

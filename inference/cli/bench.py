@@ -74,12 +74,13 @@ def run(args: argparse.Namespace) -> None:
         "limit": args.limit, "per_category": args.per_category, "num_questions": len(questions), "turns": args.turns,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "warmup": args.warmup, "device": args.device, "dtype": args.dtype,
-        "weight_layout": args.weight_layout, "step": args.step, "fp32_head": args.fp32_head, "adapter": args.adapter})
+        "weight_layout": args.weight_layout, "step": args.step, "compile": args.compile,
+        "fp32_head": args.fp32_head, "adapter": args.adapter})
 
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = shared.load_model(args)
     runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose,
-                            step=args.step)
+                            step=args.step, compile=args.compile)
 
     # 3. Run, then report; in greedy runs every divergence from ar gets the fp32 margin at which it happened.
     records, interrupted = bench_run.collect(

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> None:
         bar.update(1)
 
     profile = calibrate(model, proposer, prompts, method=label, batch_sizes=args.batch_sizes, steps=args.steps,
-                        rounds=args.rounds, progress=progress, step=args.step)
+                        rounds=args.rounds, progress=progress, step=args.step,
+                        compile=args.compile)
     bar.close()
     profile.save(args.output)
     _print_profile(profile, label, len(questions), args.output)

@@ -55,5 +55,5 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer = shared.load_model(args)
     proposer, label = shared.make_method(args, options, model, tokenizer)
     engine = serving_engine(model, proposer, label=label, max_batch=args.max_batch, mode=mode, profile=profile,
-                            calibration=args.calibration, step=args.step)
+                            calibration=args.calibration, step=args.step, compile=args.compile)
     serve(engine, tokenizer, stop_token_ids(tokenizer, model), settings, limits, host=args.host, port=args.port)

@@ -234,15 +234,19 @@ class Engine:
 
     `step` chooses the target's forward: "lean" (`lean_forward.py`: fused projections, fewer calls; Llama-family
     targets), "hf" (the model's own forward) or "auto" (lean where the target's family allows it). Every step of a
-    run, `ar`'s included, uses the same one."""
+    run, `ar`'s included, uses the same one. `compile` compiles the lean forward's elementwise work (torch.compile,
+    once per process for every layer and width; refused with the HF forward)."""
 
     def __init__(self, model: PreTrainedModel, proposer: Proposer, *, max_context: int | None = None,
                  fallback: FallbackHandler | None = None, max_rows: int = 1,
-                 speculation: Speculation | None = None, step: str = "auto") -> None:
+                 speculation: Speculation | None = None, step: str = "auto", compile: bool = False) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.step_kind = resolve_step(step, model)
-        self.lean = lean_forward(model) if self.step_kind == "lean" else None
+        if compile and self.step_kind != "lean":
+            raise ValueError(f"--compile compiles the lean forward, which {type(model).__name__} does not run "
+                             f"(step {step!r}); drop --compile, or use --step lean on a family it covers")
+        self.lean = lean_forward(model, compiled=compile) if self.step_kind == "lean" else None
         self.model = model.eval()
         self.proposer = proposer
         self.device = model_device(model)

@@ -9,10 +9,15 @@ goes"). `LeanForward` runs the maths of the HF model's own forward over the engi
 2. RoPE comes from the model's rotary module; each row's new k/v entries are written in place right after its
    committed prefix (`BatchKVCache`'s contract), and SDPA attends over the first `span` slots of the row buffers
    under the engine's mask, `span` rounded up to a multiple of SPAN_STEP so a run sees few distinct shapes;
-3. the norms, o_proj, down_proj, final norm and LM head are the model's own modules, so the weight layout and
-   `--fp32-head` apply unchanged.
+3. o_proj, down_proj, the final norm and the LM head are the model's own modules, so the weight layout and
+   `--fp32-head` apply unchanged; the layers' RMSNorms (the families' formula, on their own weights) are fused with
+   the residual adds that precede them;
+4. with `compiled`, the elementwise work between the products (norms, head split and RoPE, the gated activation)
+   runs as a few functions compiled by torch.compile, each compiled once for every layer and every width (dynamic
+   shapes); the products, the cache write and attention stay the eager kernels they are.
 
-Its outputs equal the HF forward's up to the rounding of the fused products. Every engine method, `ar` included,
+Its outputs equal the HF forward's up to the rounding of the fused products (and, compiled, of inductor's
+elementwise kernels). Every engine method, `ar` included,
 runs through the same forward, so speculative greedy output still equals plain greedy output
 (tests/inference/engine/test_lean_forward.py). Families it covers are listed in LEAN_MODEL_TYPES; any other target
 runs the HF forward (`step="auto"`), or is refused by name (`step="lean"`).
@@ -67,8 +72,12 @@ def lean_unsupported(model: PreTrainedModel) -> str | None:
         attn_names = {name for name, _ in attn.named_children()}
         if not _ATTN_PARTS <= attn_names or attn_names - _ATTN_PARTS - _ATTN_OPTIONAL:
             return f"its attention holds {sorted(attn_names)}"
-        if {name for name, _ in mlp.named_children()} != _MLP_PARTS:
-            return "its MLP is not a gated gate/up/down MLP"
+        if {name for name, _ in mlp.named_children()} != _MLP_PARTS or cfg.hidden_act not in ("silu", "swish"):
+            return "its MLP is not a SiLU-gated gate/up/down MLP"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, *(getattr(attn, n) for n in ("q_norm", "k_norm")
+                                                                            if hasattr(attn, n))]
+        if not all(type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms):
+            return "its norms are not the families' RMSNorm"
         if not all(isinstance(getattr(attn, n), nn.Linear) for n in _ATTN_PARTS):
             return "its attention projections are not linear layers"
         head_dim = attn.head_dim
@@ -101,39 +110,88 @@ def _fused(parts: list[nn.Linear], layout: str) -> nn.Linear:
     return set_linear_layout(fused, layout)
 
 
-class _LeanLayer:
-    def __init__(self, layer: nn.Module, layout: str) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        self.inter = mlp.gate_proj.out_features
-        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], layout)
-        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], layout)
-        self.o_proj, self.down_proj, self.act = attn.o_proj, mlp.down_proj, mlp.act_fn
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The families' RMSNorm, as their modules compute it (in fp32, scaled in the input's dtype)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer, mask: torch.Tensor,
-                 span: int) -> torch.Tensor:
-        b, w, _ = x.shape
-        d = self.head_dim
-        q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k, v = q.view(b, w, -1, d), k.view(b, w, -1, d), v.view(b, w, -1, d)
-        if self.q_norm is not None:  # Qwen3: per-head norms before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        keys, values = cache_layer.write(k, v, span)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
-        x = x + self.o_proj(out.transpose(1, 2).reshape(b, w, -1))
-        gate, up = self.gate_up(self.post_norm(x)).split([self.inter, self.inter], dim=-1)
-        return x + self.down_proj(self.act(gate) * up)
+
+def attention_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+                     k_norm: torch.Tensor | None, eps: float, q_size: int,
+                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, W, q + 2 kv] -> q [B, H, W, D], k and v [B, KV, W, D]: split into heads, the per-head norms (Qwen3)
+    and RoPE on q and k."""
+    b, w, _ = qkv.shape
+    kv_size = (qkv.shape[-1] - q_size) // 2
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = q.view(b, w, -1, head_dim), k.view(b, w, -1, head_dim), v.view(b, w, -1, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def add_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after `update`, and its RMSNorm."""
+    x = x + update
+    return x, rms_norm(x, weight, eps)
+
+
+def gated(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Glue:
+    """The elementwise work between a layer's products, as plain functions or compiled by torch.compile (inductor):
+    each compiled once, with dynamic shapes, and shared by every layer (weights are arguments, not constants)."""
+
+    def __init__(self, compiled: bool) -> None:
+        wrap = _compiled if compiled else (lambda fn: fn)
+        self.rms_norm, self.attention_inputs = wrap(rms_norm), wrap(attention_inputs)
+        self.add_norm, self.gated = wrap(add_norm), wrap(gated)
+
+
+_compiled_fns: dict = {}
+
+
+def _compiled(fn):
+    if fn not in _compiled_fns:
+        _compiled_fns[fn] = torch.compile(fn, dynamic=True)
+    return _compiled_fns[fn]
+
+
+class _LeanLayer:
+    def __init__(self, layer: nn.Module, layout: str) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm, self.k_norm = (q_norm.weight, k_norm.weight) if q_norm is not None else (None, None)
+        self.head_dim, self.scaling, self.q_size = attn.head_dim, attn.scaling, attn.q_proj.out_features
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], layout)
+        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], layout)
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
+                 mask: torch.Tensor, glue: _Glue) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream x, its input norm h) -> (x after the layer, the MLP's output to add to it)."""
+        b, w, _ = x.shape
+        q, k, v = glue.attention_inputs(self.qkv(h), cos, sin, self.q_norm, self.k_norm, self.eps, self.q_size,
+                                        self.head_dim)
+        keys, values = cache_layer.write(k, v, mask.shape[-1])
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        x, h = glue.add_norm(x, self.o_proj(out.transpose(1, 2).reshape(b, w, -1)), self.post_norm, self.eps)
+        return x, self.down_proj(glue.gated(self.gate_up(h)))
 
 
 @dataclass
@@ -146,7 +204,7 @@ class LeanForward:
     """The forward of a Llama-family target over a `BatchKVCache` window (see the module doc). Build it with
     `lean_forward(model)`, which reuses one per model."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, compiled: bool = False) -> None:
         reason = lean_unsupported(model)
         if reason:
             raise ValueError(f"the lean forward cannot run {type(model).__name__}: {reason}")
@@ -155,6 +213,8 @@ class LeanForward:
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head = model.get_output_embeddings()
         self.layers = [_LeanLayer(layer, linear_layout(layer)) for layer in decoder.layers]
+        self.compiled = compiled
+        self.glue = _Glue(compiled)
 
     @staticmethod
     def span(needed: int) -> int:
@@ -168,10 +228,15 @@ class LeanForward:
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, W, D]: broadcast over heads
-        span = mask.shape[-1]
         hidden = [x] if output_hidden_states else None
-        for layer, cache_layer in zip(self.layers, cache.layers):
-            x = layer(x, cos, sin, cache_layer, mask, span)
+        glue, layers = self.glue, self.layers
+        h = glue.rms_norm(x, layers[0].input_norm, layers[0].eps)
+        for i, (layer, cache_layer) in enumerate(zip(layers, cache.layers)):
+            x, update = layer(x, h, cos, sin, cache_layer, mask, glue)
+            if i + 1 < len(layers):  # the residual add fused with the next layer's input norm
+                x, h = glue.add_norm(x, update, layers[i + 1].input_norm, layers[i + 1].eps)
+            else:
+                x = x + update
             if hidden is not None:
                 hidden.append(x)
         if hidden is None and logits_to_keep:
@@ -184,12 +249,13 @@ class LeanForward:
                           hidden_states=tuple(hidden) if hidden is not None else None)
 
 
-_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its LeanForward (fused copies made once)
+_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {compiled: its LeanForward}
 
 
-def lean_forward(model: PreTrainedModel) -> LeanForward:
-    """The model's `LeanForward`, built once per model: its fused weights are copies, so build it after the model's
-    last change (`load_target` returns it finished)."""
-    if model not in _built:
-        _built[model] = LeanForward(model)
-    return _built[model]
+def lean_forward(model: PreTrainedModel, compiled: bool = False) -> LeanForward:
+    """The model's `LeanForward` (`compiled`: its elementwise work compiled), built once per model: its fused weights
+    are copies, so build it after the model's last change (`load_target` returns it finished)."""
+    forwards = _built.setdefault(model, {})
+    if compiled not in forwards:
+        forwards[compiled] = LeanForward(model, compiled)
+    return forwards[compiled]

@@ -42,13 +42,14 @@ def calibrate(
     rounds: int = 3,
     progress: Callable[[str], None] | None = None,
     step: str = "auto",
+    compile: bool = False,
 ) -> SpeculationProfile:
     """Time `steps` speculative and `steps` plain engine steps per run at each batch size. Batch b runs
     max(rounds, ceil(len(prompts) / b)) times, run r decoding prompts[(r * b + i) % len(prompts)] for its rows, so
     every batch size sees every prompt; the modes alternate which goes first. τ, the per-position acceptance and the
     draft depth come from the timed speculative steps (a row drafts in a batch what it drafts alone, so they pool
-    over batch sizes, and they describe the same stretch of text the step times do). `step` is the engine's target
-    forward (`Engine`'s argument), as the server will run it. `progress` is told of each
+    over batch sizes, and they describe the same stretch of text the step times do). `step` and `compile` set the
+    engine's target forward (`Engine`'s arguments), as the server will run it. `progress` is told of each
     batch size as it starts."""
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
@@ -66,7 +67,8 @@ def calibrate(
         for r in range(runs):
             rows = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
-                seconds = _time_steps(model, proposer, rows, steps, log if spec else NeverSpeculate(), step)
+                seconds = _time_steps(model, proposer, rows, steps, log if spec else NeverSpeculate(), step,
+                                          compile)
                 times[b, spec].append(statistics.fmean(seconds))
     n = len(log.tokens)
     deepest = max(log.accepted, default=0)
@@ -97,9 +99,9 @@ class _AcceptanceLog(AlwaysSpeculate):
 
 
 def _time_steps(model: PreTrainedModel, proposer: Proposer, prompts: list[Sequence[int]], steps: int,
-                policy: AlwaysSpeculate, step: str) -> list[float]:
+                policy: AlwaysSpeculate, step: str, compile: bool) -> list[float]:
     """The times of `steps` engine steps over `prompts` decoding together (no stop tokens, so no row ends early)."""
-    engine = Engine(model, proposer, max_rows=len(prompts), speculation=policy, step=step)
+    engine = Engine(model, proposer, max_rows=len(prompts), speculation=policy, step=step, compile=compile)
     seqs = [engine.add(p, max_new_tokens=16 * (steps + 2)) for p in prompts]
     engine.step()  # prefill every row
     engine.step()  # the first draft (a proposer's start-up work) stays out of the timing

@@ -39,7 +39,8 @@ def speculation_mode(speculation: str | None, calibration: Path | None) -> tuple
 
 
 def serving_engine(model: PreTrainedModel, proposer: Proposer, *, label: str, max_batch: int, mode: str,
-                   profile: SpeculationProfile | None, calibration: Path | None = None, step: str = "auto") -> Engine:
+                   profile: SpeculationProfile | None, calibration: Path | None = None, step: str = "auto",
+                   compile: bool = False) -> Engine:
     """The engine for `mode`: a profile made for another method or machine is refused, and one under which no batch
     size pays for speculation serves with plain steps (without the drafter's per-step upkeep)."""
     if not isinstance(proposer, AutoregressiveProposer):
@@ -50,7 +51,8 @@ def serving_engine(model: PreTrainedModel, proposer: Proposer, *, label: str, ma
             log.warning("%s: speculation paid at no calibrated batch size (tau %.2f); serving with plain steps",
                         calibration, profile.tau)
             proposer = AutoregressiveProposer()
-    return Engine(model, proposer, max_rows=max_batch, speculation=speculation_policy(mode, profile), step=step)
+    return Engine(model, proposer, max_rows=max_batch, speculation=speculation_policy(mode, profile), step=step,
+                  compile=compile)
 
 
 def serve(engine: Engine, tokenizer: Any, stop_token_ids: list[int], settings: ServerSettings, limits: ServiceLimits,

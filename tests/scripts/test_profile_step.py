@@ -17,14 +17,14 @@ def _script():
     return load_script("profile_step")
 
 
-@pytest.mark.parametrize("step", ["hf", "lean"])
+@pytest.mark.parametrize("step", ["hf", "lean", "compiled"])
 def test_a_verify_is_split_into_buckets_with_the_cache_writes_counted_apart(one_thread, step):
     script, model = _script(), tiny_model()
     context = 12
     cache = BatchKVCache(model.config, rows=1, capacity=64)
     cache.add_row()
     tree = DraftTree(tokens=torch.tensor([5, 6, 7, 8]), parents=torch.tensor([-1, 0, 0, 1]))
-    lean = lean_forward(model) if step == "lean" else None
+    lean = None if step == "hf" else lean_forward(model, compiled=step == "compiled")
     with torch.inference_mode(), script.annotated_cache_updates():
         prefill_forward(model, cache, 0, torch.arange(3, 3 + context))
         cache.commit(0, torch.arange(context))

@@ -143,3 +143,29 @@ def test_the_hf_forward_still_writes_through_the_cache_update():
     lean_next = batch_forward(model, cache, [TREE], lean=lean_forward(model)).logits
     hf_next = batch_forward(model, cache, [TREE]).logits
     _close(lean_next, hf_next)
+
+
+def test_the_compiled_forward_decodes_plain_greedy_and_never_recompiles_per_step():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("qwen3")  # the per-head norms go through the compiled code too
+    prompts = [repetitive_prompt(seed=1), repetitive_prompt(length=13, seed=2)]
+    plain = [Engine(model, AutoregressiveProposer(), step="hf").generate(p, max_new_tokens=30).output_ids
+             for p in prompts]
+    engine = Engine(model, NgramProposer(NgramConfig(num_candidates=5, depth=6, max_nodes=20, min_ngram=1)),
+                    step="lean", compile=True)
+    assert engine.lean.compiled
+    first = engine.generate(prompts[0], max_new_tokens=30)  # compiles: a prefill, one-token steps, trees
+    assert first.output_ids == plain[0]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    draft = Engine(model, DraftModelProposer(perturbed_copy(model, 0.05), DraftConfig(depth=3, width=3)),
+                   step="lean", compile=True)
+    second = draft.generate(prompts[1], max_new_tokens=30)  # another prompt length, other tree widths
+    assert second.output_ids == plain[1] and second.stats.accepted > 0
+    assert counters["stats"]["unique_graphs"] == graphs  # no width, length or step compiled anew
+
+
+def test_compile_is_refused_without_the_lean_forward():
+    with pytest.raises(ValueError, match="--compile compiles the lean forward"):
+        Engine(tiny_model(), AutoregressiveProposer(), step="hf", compile=True)
