@@ -12,13 +12,14 @@
 #      scripts/bench_gpu.sh run DIR [BENCH ARGS...]
 #    checks every part against SHA256SUMS (naming any missing or damaged one), reassembles the archive, installs
 #    the wheels into DIR/site (nothing outside DIR changes), converts the target once (SPECHEADS_HOME=DIR/home), and
-#    runs `specheads bench` for hf, ar, ngram and every packed drafter in bf16 on MT-bench, one question per
-#    category, 128 new tokens (DEVICE, DTYPE, PER_CATEGORY, MAX_NEW override these). It prints the table and the
-#    GPU's name; DIR/bench holds results.jsonl and summary.md. Extra arguments go to `specheads bench`.
+#    runs `specheads bench` for hf, hf-static, ar, ngram and every packed drafter in bf16 on MT-bench, one question
+#    per category, 128 new tokens, the engine on its lean forward with the elementwise work compiled (DEVICE, DTYPE,
+#    PER_CATEGORY, MAX_NEW override these; COMPILE=0 runs it uncompiled). It prints the table and the GPU's name;
+#    DIR/bench holds results.jsonl and summary.md. Extra arguments go to `specheads bench`.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")/.." && pwd)"
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 die() { echo "bench_gpu.sh: $*" >&2; exit 1; }
 
 pack() {
@@ -82,14 +83,16 @@ EOF
     local plots=()
     "$python" -c "import matplotlib" 2>/dev/null || plots=(--no-plots)  # results and tables need no matplotlib
     cd "$dir/unpacked"  # heads by relative path keep the table's method names short (eagle:heads/eagle)
-    local methods="hf,ar,ngram" heads
+    local methods="hf,hf-static,ar,ngram" heads compile=()
+    [[ "${COMPILE:-1}" == 0 ]] || compile=(--compile)
     for heads in heads/*/; do
         [[ -d "$heads" ]] || continue
         methods+=",$(basename "$heads"):${heads%/}"
     done
     "$python" -m specheads.inference.cli bench --device "$device" --dtype "${DTYPE:-bfloat16}" \
         --methods "$methods" --questions questions.jsonl \
-        --per-category "${PER_CATEGORY:-1}" --max-new-tokens "${MAX_NEW:-128}" --output "$dir/bench" "${plots[@]}" "$@"
+        --per-category "${PER_CATEGORY:-1}" --max-new-tokens "${MAX_NEW:-128}" --output "$dir/bench" "${plots[@]}" \
+        "${compile[@]}" "$@"
 }
 
 case "${1:-}" in

@@ -27,8 +27,10 @@ on a CPU with native bf16, row elsewhere (cuBLAS is fastest with the row-major w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -173,6 +175,20 @@ def set_linear_layout(module: nn.Module, layout: str) -> nn.Module:
         elif layout == "transposed":
             sub.__class__ = TransposedLinear
     return module
+
+
+@contextlib.contextmanager
+def plain_linears(module: nn.Module) -> Iterator[nn.Module]:
+    """Within: every `PackedLinear` and `TransposedLinear` of `module` runs as a plain nn.Linear on its own weight, for
+    code that traces the model (torch.compile cannot take oneDNN's packed tensors); after: as before."""
+    switched = [(sub, type(sub)) for sub in module.modules() if type(sub) in (PackedLinear, TransposedLinear)]
+    for sub, _ in switched:
+        sub.__class__ = nn.Linear
+    try:
+        yield module
+    finally:
+        for sub, cls in switched:
+            sub.__class__ = cls
 
 
 def linear_layout(module: nn.Module) -> str:

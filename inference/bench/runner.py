@@ -20,6 +20,7 @@ import torch
 from transformers import CompileConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
+from specheads.gemm_layout import plain_linears
 from specheads.inference.bench.diagnosis import RejectionLog
 from specheads.inference.bench.method_spec import PLD_TOKENS, MethodSpec
 from specheads.inference.engine.engine import Engine
@@ -147,8 +148,12 @@ class _HFStaticGenerate(_HFGenerate):
         reserved, need = self.cache_len, len(prompt) + max_new_tokens
         self.reserve(need)
         self.extra["max_cache_len"] = self.cache_len
-        new, stats = super().generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      stop_token_ids=stop_token_ids)
+        # torch.compile cannot trace oneDNN's packed weights: the layers run as plain linears on their own weights
+        # (inductor's freezing, which would pack them for the graph, folds the static cache into constants too and
+        # breaks the next generation)
+        with plain_linears(self.model):
+            new, stats = super().generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                          stop_token_ids=stop_token_ids)
         self.calls += 1
         if self.calls == 1:
             log.info("hf-static: the first generate took %.1f s, compiling the decode step for a static cache of %d "

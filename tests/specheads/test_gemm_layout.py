@@ -141,3 +141,19 @@ def test_packed_layers_take_the_plain_product_for_anything_but_bf16_inference_on
 def test_load_target_packs_bf16_on_request(tiny_model_dir):
     model = load_target(str(tiny_model_dir), dtype="bf16", weight_layout="packed")[0]
     assert linear_layout(model) == "packed"
+
+
+@needs_packing
+def test_plain_linears_runs_packed_and_transposed_layers_as_plain_ones_and_restores_them():
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval().to(torch.bfloat16)
+    set_linear_layout(model, "packed")
+    model.model.layers[1].mlp.up_proj.__class__ = TransposedLinear  # a mixed model: both kinds come back
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.inference_mode():
+        packed = model(ids).logits
+        with gemm_layout.plain_linears(model):
+            assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+            plain = model(ids).logits
+    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    assert isinstance(model.model.layers[1].mlp.up_proj, TransposedLinear)
+    torch.testing.assert_close(plain, packed)  # the same weights: products within bf16's own rounding

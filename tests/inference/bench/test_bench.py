@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 import specheads.inference.bench.runner as bench
 import specheads.inference.engine.engine as engine_mod
 import specheads.target
+from specheads.gemm_layout import PackedLinear, packing_available, set_linear_layout
 from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.heads.medusa import MedusaConfig, MedusaHeads
 from specheads.inference.bench.method_spec import parse_methods
@@ -409,3 +410,14 @@ def test_every_method_draws_with_each_questions_own_seed():
     list(run_bench({"a": again}, tiny_tokenizer(), questions[1:], max_new_tokens=1, warmup=0, turns=2,
                    sampling=SamplingParams(temperature=1.0, seed=7), stop_token_ids=[]))
     assert again.seeds == a[2:]  # a question's stream does not depend on the others asked
+
+
+@pytest.mark.skipif(not packing_available(), reason="oneDNN bf16 packing is not available on this CPU")
+def test_hf_static_runs_on_a_packed_bf16_target():
+    # torch.compile cannot trace oneDNN's packed weights: the runner must hand it plain layers, and leave them packed
+    model = set_linear_layout(tiny_model().to(torch.bfloat16), "packed")
+    runner = bench._HFStaticGenerate(model)
+    runner.reserve(40)
+    new, stats = runner.generate(list(range(3, 20)), max_new_tokens=8, sampling=SamplingParams(), stop_token_ids=[])
+    assert len(new) == 8 and stats.new_tokens == 8
+    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
