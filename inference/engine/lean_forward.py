@@ -111,25 +111,35 @@ def _fused(parts: list[nn.Linear], layout: str) -> nn.Linear:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The families' RMSNorm, as their modules compute it (in fp32, scaled in the input's dtype)."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """The families' RMSNorm in one kernel (accumulating in fp32 like their modules; a bf16 result is rounded once,
+    where the modules round before scaling by the weight)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def attention_inputs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
                      k_norm: torch.Tensor | None, eps: float, q_size: int,
                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [B, W, q + 2 kv] -> q [B, H, W, D], k and v [B, KV, W, D]: split into heads, the per-head norms (Qwen3)
-    and RoPE on q and k."""
+    and RoPE on q and k together. `sin` is `signed_sin`'s: RoPE's rotate-half, cat(-x2, x1) * sin, is then
+    roll(x) * sin, the same products with the sign moved to sin, in fewer operations."""
     b, w, _ = qkv.shape
     kv_size = (qkv.shape[-1] - q_size) // 2
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q, k, v = q.view(b, w, -1, head_dim), k.view(b, w, -1, head_dim), v.view(b, w, -1, head_dim)
+    qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+    qk, v = qk.view(b, w, -1, head_dim), v.view(b, w, -1, head_dim)
+    heads = q_size // head_dim
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        q, k = qk.split([heads, qk.shape[2] - heads], dim=2)
+        qk = torch.cat([rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)], dim=2)
+    qk = qk.transpose(1, 2)
+    qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+    q, k = qk.split([heads, qk.shape[1] - heads], dim=1)
+    return q, k, v.transpose(1, 2)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated (see `attention_inputs`)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 def add_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
@@ -144,10 +154,6 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class _Glue:
@@ -227,7 +233,7 @@ class LeanForward:
         each row's new entries are written at its length, attention reads the window's first S slots."""
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, position_ids)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, W, D]: broadcast over heads
+        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, W, D]: broadcast over heads
         hidden = [x] if output_hidden_states else None
         glue, layers = self.glue, self.layers
         h = glue.rms_norm(x, layers[0].input_norm, layers[0].eps)
