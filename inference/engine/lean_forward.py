@@ -10,8 +10,8 @@ goes"). `LeanForward` runs the maths of the HF model's own forward over the engi
    committed prefix (`BatchKVCache`'s contract), and SDPA attends over the first `span` slots of the row buffers
    under the engine's mask, `span` rounded up to a multiple of SPAN_STEP so a run sees few distinct shapes;
 3. o_proj, down_proj, the final norm and the LM head are the model's own modules, so the weight layout and
-   `--fp32-head` apply unchanged; the layers' RMSNorms (the families' formula, on their own weights) are fused with
-   the residual adds that precede them;
+   `--fp32-head` apply unchanged; the layers' RMSNorms are one `F.rms_norm` kernel each on their own weights, and
+   RoPE runs once on q and k together;
 4. with `compiled`, the elementwise work between the products (norms, head split and RoPE, the gated activation)
    runs as a few functions compiled by torch.compile, each compiled once for every layer and every width (dynamic
    shapes); the products, the cache write and attention stay the eager kernels they are.
