@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from specheads.inference.engine import batch_cache
 from specheads.inference.engine.batch_cache import BatchKVCache
 from specheads.inference.engine.engine import batch_forward, prefill_forward
-from specheads.inference.engine.lean_forward import LeanForward, lean_forward, resolve_step
+from specheads.inference.engine.lean_forward import LeanForward, target_forward
 from specheads.inference.engine.tree import DraftTree
 from specheads.target import load_target
 
@@ -165,8 +165,8 @@ def main() -> None:
     for step in args.steps.split(","):
         if step not in ("hf", "lean", "compiled"):
             p.error(f"--steps: unknown step {step!r}; use hf, lean, compiled")
-        resolve_step("hf" if step == "hf" else "lean", model)  # a target the lean forward cannot run is refused here
-    steps = {step: None if step == "hf" else lean_forward(model, compiled=step == "compiled")
+    # a target the lean forward cannot run is refused here, by name
+    steps = {step: target_forward(model, "hf" if step == "hf" else "lean", compile=step == "compiled")
              for step in args.steps.split(",")}
     cache = BatchKVCache(model.config, rows=1, capacity=args.context + max(sizes) + 16)
     cases = [(step, n) for n in sizes for step in steps]

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
-from specheads.inference.engine.lean_forward import LeanForward, lean_forward, resolve_step
+from specheads.inference.engine.lean_forward import LeanForward, target_forward
 from specheads.inference.engine.proposer import (
     ProposalContext,
     Proposer,
@@ -99,7 +99,9 @@ def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[Draft
     window = cache.window(first_row, len(trees))
     if lean is not None:
         span = lean.span(max(lengths) + width)
-        mask = batch_tree_mask(trees, lengths, model.dtype, device, span=span)
+        lone_chain = len(trees) == 1 and trees[0].is_chain  # plain decoding: no tree to mask
+        mask = (causal_mask(lengths, width, span, model.dtype, device) if lone_chain
+                else batch_tree_mask(trees, lengths, model.dtype, device, span=span))
         return lean(tokens.to(device), positions.to(device), window, mask, output_hidden_states=output_hidden_states)
     # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
     # anything else needs ours.
@@ -242,11 +244,7 @@ class Engine:
                  speculation: Speculation | None = None, step: str = "auto", compile: bool = False) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        self.step_kind = resolve_step(step, model)
-        if compile and self.step_kind != "lean":
-            raise ValueError(f"--compile compiles the lean forward, which {type(model).__name__} does not run "
-                             f"(step {step!r}); drop --compile, or use --step lean on a family it covers")
-        self.lean = lean_forward(model, compiled=compile) if self.step_kind == "lean" else None
+        self.lean = target_forward(model, step, compile)
         self.model = model.eval()
         self.proposer = proposer
         self.device = model_device(model)

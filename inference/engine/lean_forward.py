@@ -258,6 +258,16 @@ class LeanForward:
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {compiled: its LeanForward}
 
 
+def target_forward(model: PreTrainedModel, step: str = "auto", compile: bool = False) -> LeanForward | None:
+    """The lean forward `step` picks for `model` (`resolve_step`), or None for the model's own; `compile` is refused
+    where the pick is the model's own forward."""
+    kind = resolve_step(step, model)
+    if compile and kind != "lean":
+        raise ValueError(f"--compile compiles the lean forward, which {type(model).__name__} does not run "
+                         f"(step {step!r}); drop --compile, or use --step lean on a family it covers")
+    return lean_forward(model, compiled=compile) if kind == "lean" else None
+
+
 def lean_forward(model: PreTrainedModel, compiled: bool = False) -> LeanForward:
     """The model's `LeanForward` (`compiled`: its elementwise work compiled), built once per model: its fused weights
     are copies, so build it after the model's last change (`load_target` returns it finished)."""

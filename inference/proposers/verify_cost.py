@@ -87,7 +87,7 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_S
     # Imported here: the engine imports every proposer, and the proposers import this module.
     from specheads.inference.engine.batch_cache import BatchKVCache
     from specheads.inference.engine.engine import batch_forward, prefill_forward
-    from specheads.inference.engine.lean_forward import lean_forward
+    from specheads.inference.engine.lean_forward import target_forward
 
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -101,7 +101,7 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_S
     capacity = context + max(sizes) + 16
     # the forward the engine runs on this model by default (`step="auto"`), over rows as the engine keeps them; a
     # forward writes its rows' entries past their lengths and commits nothing, so it can be repeated as is
-    lean = lean_forward(model) if resolve_step("auto", model) == "lean" else None
+    lean = target_forward(model)
     rows = BatchKVCache(model.config, rows=batch, capacity=capacity)
     for prompt in prompts:
         row = rows.add_row()
