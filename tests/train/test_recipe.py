@@ -190,6 +190,27 @@ def test_offline_features_train_like_online(tiny_run_inputs, tmp_path):
         assert b[step] == pytest.approx(a[step], rel=1e-4), step
 
 
+def test_a_run_repeated_with_its_seed_writes_the_same_drafter(tiny_run_inputs, tmp_path):
+    """The main job's claim that a second run reproduces the first (scripts/compare_runs.py): the same settings and
+    seed give byte-identical drafter files and the same losses, with offline features and bf16 autocast as there;
+    another seed gives other weights, so the comparison can tell."""
+    settings = ("recipe=peagle", "heads.aux_layers=[1,2,3]", "heads.num_depths=3", "features=offline",
+                "mixed_precision=bf16", "max_steps=5", "save_every=5", "eval_every=5")
+    runs = {name: tmp_path / name for name in ("a", "b", "other_seed")}
+    for name, out in runs.items():
+        assert train_main(base_args(tiny_run_inputs, out, *settings, f"seed={1 if name == 'other_seed' else 0}")) == 0
+
+    def files(out: Path) -> dict[str, bytes]:
+        return {str(f.relative_to(out)): f.read_bytes() for f in sorted((out / "final").rglob("*")) if f.is_file()}
+
+    first = files(runs["a"])
+    assert any(name.endswith(".safetensors") for name in first)
+    assert files(runs["b"]) == first
+    assert train_losses(runs["b"]) == train_losses(runs["a"])
+    weights = [n for n in first if n.endswith(".safetensors")]
+    assert all(files(runs["other_seed"])[n] != first[n] for n in weights)
+
+
 def test_resume_with_a_changed_model_config_is_refused(tiny_run_inputs, tmp_path, capsys):
     out = tmp_path / "run"
     assert train_main(base_args(tiny_run_inputs, out, "max_steps=2", "save_every=2")) == 0
