@@ -76,6 +76,10 @@ def differences(a: dict, b: dict, what: str) -> list[str]:
     return found
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_a", type=Path)
@@ -96,8 +100,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for method in [m for m in sa if m in sb]:
         ra, rb = sa[method], sb[method]
-        print(f"| {method} | {ra.get('tau')} | {rb.get('tau')} | {rb['tokens_per_s'] / ra['tokens_per_s']:.3f} | "
-              f"{ra.get('speedup_vs_hf')} | {rb.get('speedup_vs_hf')} |")
+        cells = [_fmt(ra.get("tau")), _fmt(rb.get("tau")), _fmt(rb["tokens_per_s"] / ra["tokens_per_s"]),
+                 _fmt(ra.get("speedup_vs_hf")), _fmt(rb.get("speedup_vs_hf"))]
+        print(f"| {method} | {' | '.join(cells)} |")
     print("\nreproduced" if not failed else "\nNOT reproduced")
     return 1 if failed else 0
 
