@@ -4,7 +4,7 @@
         [--steps hf,lean] [--reps 20] [--json OUT.json]
 
 For each tree size (1 = a plain one-token step) and each of the engine's target forwards (`--steps`: the model's
-own, `hf`; the lean one, `lean`; the lean one with its elementwise work compiled, `compiled`; see
+own, `hf`; the lean one, `lean`; the lean one with its decoder layers compiled as one graph, `compiled`; see
 inference/engine/lean_forward.py) the forward runs as the engine runs it
 (`batch_forward` over a `BatchKVCache` row holding `--context` tokens) under torch.profiler, and each operator's own
 time is put in one bucket:
@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--nodes", default="1,16", help="comma list of tree sizes (1 = a one-token step)")
     p.add_argument("--context", type=int, default=256, help="tokens in the cache before each forward")
     p.add_argument("--steps", default="hf,lean", help="comma list of target forwards: hf (the model's own), lean, "
-                                                      "compiled (lean with its elementwise work compiled)")
+                                                      "compiled (lean, its decoder layers compiled)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()

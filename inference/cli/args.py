@@ -47,9 +47,9 @@ def add_model_settings(p: argparse.ArgumentParser) -> None:
                         "layer; Llama, Qwen2, Qwen3 and Mistral without sliding window), hf (the model's own forward), "
                         "auto (lean where the target allows it, else hf). Every method of a run uses the same one")
     p.add_argument("--compile", action="store_true",
-                   help="compile the lean forward's elementwise work (norms, RoPE, activation) with torch.compile: "
-                        "once per process for every layer and tree width (tens of seconds on a small CPU, cached by "
-                        "torch's compile cache after); greedy output stays exact")
+                   help="compile the lean forward's decoder layers as one torch.compile graph (weights frozen in; "
+                        "dynamic shapes: a few graphs serve every width and length; a minute or more per graph on a "
+                        "small CPU, cached by torch's compile cache after); greedy output stays exact")
     p.add_argument("--fp32-head", action="store_true",
                    help="with --dtype bfloat16/float16: compute the target's final norm and LM head in fp32, so logits "
                         "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per "

@@ -60,6 +60,15 @@ class _RowsLayer(DynamicLayer):
             self._vbuf[r, :, lengths[r] : lengths[r] + width] = value_states[i]
         return self._kbuf[rows.start : rows.stop, :, :end], self._vbuf[rows.start : rows.stop, :, :end]
 
+    def committed(self, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window rows' first `span` slots [B, H, span, D] of keys and values (`span` at least the longest
+        prefix; slots past a row's length hold stale or zero entries the mask must hide), growing the buffers to
+        hold them."""
+        first, count = self._owner.window_rows, self._owner.window_count
+        self._kbuf, self._vbuf = (grown(buf, span, max(self._owner.lengths, default=0))
+                                  for buf in (self._kbuf, self._vbuf))
+        return self._kbuf[first : first + count, :, :span], self._vbuf[first : first + count, :, :span]
+
     def get_seq_length(self) -> int:  # the longest prefix in the next forward's rows (HF sizes its masks by it)
         return max(self._owner.window_lengths(), default=0)
 
@@ -170,6 +179,25 @@ def causal_mask(lengths: list[int], width: int, span: int, dtype: torch.dtype,
     keys = torch.arange(span)
     limit = torch.tensor(lengths)[:, None] + torch.arange(width)  # [B, W]: the last slot each query sees
     return additive_mask(keys <= limit[..., None], dtype, device)
+
+
+def committed_then_new_mask(trees: list[DraftTree] | None, lengths: list[int], width: int, span: int,
+                            dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # [B, 1, W, span + W]
+    """The mask of a forward whose keys are each row's first `span` cache slots followed by its W new entries (not
+    yet written): row b's query i sees slots [0, lengths[b]) and its tree's ancestors of node i among the new
+    entries (`trees` None: inputs 0..i, a chain). Padding queries see only their own new entry."""
+    visible = torch.zeros(len(lengths), width, span + width, dtype=torch.bool)
+    visible[..., :span] = torch.arange(span) < torch.tensor(lengths)[:, None, None]
+    if trees is None:
+        visible[..., span:] = torch.ones(width, width, dtype=torch.bool).tril()
+    else:
+        for b, tree in enumerate(trees):
+            n = tree.size
+            visible[b, :n, span : span + n] = tree.ancestors.cpu()
+            pad = torch.arange(n, width)
+            visible[b, pad, :span] = False
+            visible[b, pad, span + pad] = True
+    return additive_mask(visible, dtype, device)
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

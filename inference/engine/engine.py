@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask
+from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
 from specheads.inference.engine.lean_forward import LeanForward, target_forward
 from specheads.inference.engine.proposer import (
@@ -98,11 +98,9 @@ def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[Draft
         positions[b, tree.size :] = length  # padding: its outputs are never read
     window = cache.window(first_row, len(trees))
     if lean is not None:
-        span = lean.span(max(lengths) + width)
         lone_chain = len(trees) == 1 and trees[0].is_chain  # plain decoding: no tree to mask
-        mask = (causal_mask(lengths, width, span, model.dtype, device) if lone_chain
-                else batch_tree_mask(trees, lengths, model.dtype, device, span=span))
-        return lean(tokens.to(device), positions.to(device), window, mask, output_hidden_states=output_hidden_states)
+        return lean(tokens.to(device), positions.to(device), window, None if lone_chain else trees,
+                    output_hidden_states=output_hidden_states)
     # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
     # anything else needs ours.
     mask = None if len(trees) == 1 and trees[0].is_chain else batch_tree_mask(trees, lengths, model.dtype, device)
@@ -118,11 +116,9 @@ def prefill_forward(model: PreTrainedModel, cache: BatchKVCache, row: int, promp
     if lean is None:
         return model(input_ids=prompt[None].to(device), **cache_kwargs(model, window), logits_to_keep=1,
                      output_hidden_states=output_hidden_states)
-    n = prompt.shape[0]
     length = cache.lengths[row]
-    mask = causal_mask([length], n, lean.span(length + n), model.dtype, device)
-    positions = torch.arange(length, length + n, device=device)[None]
-    return lean(prompt[None].to(device), positions, window, mask, logits_to_keep=1,
+    positions = torch.arange(length, length + prompt.shape[0], device=device)[None]
+    return lean(prompt[None].to(device), positions, window, logits_to_keep=1,
                 output_hidden_states=output_hidden_states)
 
 

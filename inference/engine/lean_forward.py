@@ -12,12 +12,18 @@ goes"). `LeanForward` runs the maths of the HF model's own forward over the engi
 3. o_proj, down_proj, the final norm and the LM head are the model's own modules, so the weight layout and
    `--fp32-head` apply unchanged; the layers' RMSNorms are one `F.rms_norm` kernel each on their own weights, and
    RoPE runs once on q and k together;
-4. with `compiled`, the elementwise work between the products (norms, head split and RoPE, the gated activation)
-   runs as a few functions compiled by torch.compile, each compiled once for every layer and every width (dynamic
-   shapes); the products, the cache write and attention stay the eager kernels they are.
+4. with `compiled`, the decoder layers run as one graph compiled by torch.compile (`_CompiledStack`), with dynamic
+   shapes: one graph serves every width and context length (torch specialises sizes 1, so a one-token step, a
+   wider forward and a batch of rows may each get their own). The graph reads the rows' committed entries as
+   views of the cache, attends over them and the new entries concatenated, and returns the new keys and values,
+   which are then written in place: it mutates none of its inputs, and the same code is what CUDA graphs capture
+   on a GPU. On CPU, inductor's freezing takes the weights as constants and reorders them once for its own
+   products, so a step is a few hundred fused kernels and products with no Python between them. The embedding,
+   RoPE's tables, the final norm and the LM head stay eager (so `--fp32-head` applies unchanged), and so does a
+   row's first prefill, which sizes the cache.
 
 Its outputs equal the HF forward's up to the rounding of the fused products (and, compiled, of inductor's
-elementwise kernels). Every engine method, `ar` included,
+kernels). Every engine method, `ar` included,
 runs through the same forward, so speculative greedy output still equals plain greedy output
 (tests/inference/engine/test_lean_forward.py). Families it covers are listed in LEAN_MODEL_TYPES; any other target
 runs the HF forward (`step="auto"`), or is refused by name (`step="lean"`).
@@ -25,17 +31,23 @@ runs the HF forward (`step="auto"`), or is refused by name (`step="lean"`).
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
 from specheads.gemm_layout import linear_layout, set_linear_layout
 from specheads.hf import decoder_of, text_config
-from specheads.inference.engine.batch_cache import BatchKVCache
+from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask, committed_then_new_mask
+from specheads.inference.engine.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 # Families whose decoder layer is exactly: input norm -> attention (q/k/v/o projections, optional per-head q/k norms,
 # RoPE, full causal attention scaled by head_dim^-0.5) -> residual -> post-attention norm -> gated MLP -> residual.
@@ -156,25 +168,6 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 
-class _Glue:
-    """The elementwise work between a layer's products, as plain functions or compiled by torch.compile (inductor):
-    each compiled once, with dynamic shapes, and shared by every layer (weights are arguments, not constants)."""
-
-    def __init__(self, compiled: bool) -> None:
-        wrap = _compiled if compiled else (lambda fn: fn)
-        self.rms_norm, self.attention_inputs = wrap(rms_norm), wrap(attention_inputs)
-        self.add_norm, self.gated = wrap(add_norm), wrap(gated)
-
-
-_compiled_fns: dict = {}
-
-
-def _compiled(fn):
-    if fn not in _compiled_fns:
-        _compiled_fns[fn] = torch.compile(fn, dynamic=True)
-    return _compiled_fns[fn]
-
-
 class _LeanLayer:
     def __init__(self, layer: nn.Module, layout: str) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -188,16 +181,73 @@ class _LeanLayer:
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
-                 mask: torch.Tensor, glue: _Glue) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream x, its input norm h) -> (x after the layer, the MLP's output to add to it)."""
         b, w, _ = x.shape
-        q, k, v = glue.attention_inputs(self.qkv(h), cos, sin, self.q_norm, self.k_norm, self.eps, self.q_size,
-                                        self.head_dim)
+        q, k, v = attention_inputs(self.qkv(h), cos, sin, self.q_norm, self.k_norm, self.eps, self.q_size,
+                                   self.head_dim)
         keys, values = cache_layer.write(k, v, mask.shape[-1])
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
                                              enable_gqa=q.shape[1] != keys.shape[1])
-        x, h = glue.add_norm(x, self.o_proj(out.transpose(1, 2).reshape(b, w, -1)), self.post_norm, self.eps)
-        return x, self.down_proj(glue.gated(self.gate_up(h)))
+        x, h = add_norm(x, self.o_proj(out.transpose(1, 2).reshape(b, w, -1)), self.post_norm, self.eps)
+        return x, self.down_proj(gated(self.gate_up(h)))
+
+
+class _CompiledStack(nn.Module):
+    """The decoder layers as one graph for torch.compile: each layer's committed keys and values come in as views of
+    the cache and its new ones go out (the caller writes them), so the graph mutates nothing it is given. The
+    weights are this module's parameters (the same tensors the eager forward uses), which inductor's freezing folds
+    into the graph as constants and, on CPU, reorders once for its own products."""
+
+    def __init__(self, layers: list[_LeanLayer]) -> None:
+        super().__init__()
+        self.specs = [(layer.eps, layer.q_size, layer.head_dim, layer.scaling) for layer in layers]
+        self.qkv = nn.ParameterList([layer.qkv.weight for layer in layers])
+        self.o = nn.ParameterList([layer.o_proj.weight for layer in layers])
+        self.gate_up = nn.ParameterList([layer.gate_up.weight for layer in layers])
+        self.down = nn.ParameterList([layer.down_proj.weight for layer in layers])
+        self.input_norm = nn.ParameterList([layer.input_norm for layer in layers])
+        self.post_norm = nn.ParameterList([layer.post_norm for layer in layers])
+        self.q_norm = nn.ParameterList([layer.q_norm for layer in layers if layer.q_norm is not None])
+        self.k_norm = nn.ParameterList([layer.k_norm for layer in layers if layer.k_norm is not None])
+        biases = {name: [getattr(layer, name).bias for layer in layers] for name in ("qkv", "o_proj", "gate_up",
+                                                                                       "down_proj")}
+        self.biases = {name: nn.ParameterList(b) if b[0] is not None else None for name, b in biases.items()}
+        for name, b in self.biases.items():
+            if b is not None:
+                self.register_module(f"{name}_bias", b)
+
+    def _bias(self, name: str, i: int) -> torch.Tensor | None:
+        b = self.biases[name]
+        return b[i] if b is not None else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, W, H] embedded inputs; keys/values[i] [B, KV, S, D] layer i's first S slots; mask [B, 1, W, S + W]
+        over those slots then the W new entries -> (hidden states [L + 1, B, W, H]: the embeddings and every
+        layer's output, the last before the final norm; new keys and values [L, B, KV, W, D])."""
+        b, w, _ = x.shape
+        hidden, new_keys, new_values = [x], [], []
+        h = rms_norm(x, self.input_norm[0], self.specs[0][0])
+        for i, (eps, q_size, head_dim, scaling) in enumerate(self.specs):
+            q_norm = self.q_norm[i] if len(self.q_norm) else None
+            k_norm = self.k_norm[i] if len(self.k_norm) else None
+            q, k, v = attention_inputs(F.linear(h, self.qkv[i], self._bias("qkv", i)), cos, sin, q_norm, k_norm, eps,
+                                       q_size, head_dim)
+            new_keys.append(k)
+            new_values.append(v)
+            out = F.scaled_dot_product_attention(q, torch.cat([keys[i], k], dim=2), torch.cat([values[i], v], dim=2),
+                                                 attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+            x, h = add_norm(x, F.linear(out.transpose(1, 2).reshape(b, w, -1), self.o[i], self._bias("o_proj", i)),
+                            self.post_norm[i], eps)
+            update = F.linear(gated(F.linear(h, self.gate_up[i], self._bias("gate_up", i))), self.down[i],
+                              self._bias("down_proj", i))
+            if i + 1 < len(self.specs):
+                x, h = add_norm(x, update, self.input_norm[i + 1], self.specs[i + 1][0])
+            else:
+                x = x + update
+            hidden.append(x)
+        return torch.stack(hidden), torch.stack(new_keys), torch.stack(new_values)
 
 
 @dataclass
@@ -220,39 +270,83 @@ class LeanForward:
         self.head = model.get_output_embeddings()
         self.layers = [_LeanLayer(layer, linear_layout(layer)) for layer in decoder.layers]
         self.compiled = compiled
-        self.glue = _Glue(compiled)
+        self.compile_s = 0.0  # wall time of the calls that compiled a graph
+        self._stack = None
+        if compiled:
+            device = model.get_input_embeddings().weight.device
+            # inductor's freezing: weights become constants, reordered once for its CPU products; on CUDA the
+            # step runs as a CUDA graph
+            # every model's stack shares one code object, and its frozen weights are guarded by identity: each model
+            # compiled in a process (a target and its draft model, say) adds a few graphs against dynamo's limit
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._stack = torch.compile(_CompiledStack(self.layers), dynamic=True, fullgraph=True,
+                                        mode="reduce-overhead" if device.type == "cuda" else None,
+                                        options={"freezing": True} if device.type == "cpu" else None)
 
     @staticmethod
     def span(needed: int) -> int:
         """Key slots attended for a forward that needs `needed` (the longest prefix plus the input width)."""
         return -(-needed // SPAN_STEP) * SPAN_STEP
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: BatchKVCache, mask: torch.Tensor,
-                 *, logits_to_keep: int = 0, output_hidden_states: bool = False) -> LeanOutput:
-        """input_ids, position_ids [B, W] for the cache's window rows; mask [B, 1, W, S] additive, S a `span`:
-        each row's new entries are written at its length, attention reads the window's first S slots."""
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: BatchKVCache,
+                 trees: list[DraftTree] | None = None, *, logits_to_keep: int = 0,
+                 output_hidden_states: bool = False) -> LeanOutput:
+        """input_ids, position_ids [B, W] for the cache's window rows, row b's inputs `trees[b]` padded to W (None:
+        each row's inputs are a chain, as in a prefill or plain decoding); each row's new entries are written at its
+        length."""
+        lengths = cache.window_lengths()
+        width = input_ids.shape[1]
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, W, D]: broadcast over heads
-        hidden = [x] if output_hidden_states else None
-        glue, layers = self.glue, self.layers
-        h = glue.rms_norm(x, layers[0].input_norm, layers[0].eps)
-        for i, (layer, cache_layer) in enumerate(zip(layers, cache.layers)):
-            x, update = layer(x, h, cos, sin, cache_layer, mask, glue)
-            if i + 1 < len(layers):  # the residual add fused with the next layer's input norm
-                x, h = glue.add_norm(x, update, layers[i + 1].input_norm, layers[i + 1].eps)
-            else:
-                x = x + update
-            if hidden is not None:
-                hidden.append(x)
+        if self._stack is not None and cache.layers[0].is_initialized:  # a first prefill sizes the buffers
+            hidden = self._compiled(x, cos, sin, cache, trees, lengths)
+            x = hidden[-1]
+            hidden = tuple(hidden) if output_hidden_states else None
+        else:
+            span = self.span(max(lengths) + width)
+            mask = (causal_mask(lengths, width, span, x.dtype, x.device) if trees is None
+                    else batch_tree_mask(trees, lengths, x.dtype, x.device, span=span))
+            x, hidden = self._eager(x, cos, sin, cache, mask, output_hidden_states)
         if hidden is None and logits_to_keep:
             x = x[:, -logits_to_keep:]  # only the kept positions need the final norm
         x = self.norm(x)
         if hidden is not None:
-            hidden[-1] = x  # HF's last hidden state is the normed one
+            hidden = (*hidden[:-1], x)  # HF's last hidden state is the normed one
             x = x[:, -logits_to_keep:] if logits_to_keep else x
-        return LeanOutput(logits=self.head(x),
-                          hidden_states=tuple(hidden) if hidden is not None else None)
+        return LeanOutput(logits=self.head(x), hidden_states=hidden)
+
+    def _eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: BatchKVCache, mask: torch.Tensor,
+               output_hidden_states: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        hidden = [x] if output_hidden_states else None
+        layers = self.layers
+        h = rms_norm(x, layers[0].input_norm, layers[0].eps)
+        for i, (layer, cache_layer) in enumerate(zip(layers, cache.layers)):
+            x, update = layer(x, h, cos, sin, cache_layer, mask)
+            if i + 1 < len(layers):  # the residual add fused with the next layer's input norm
+                x, h = add_norm(x, update, layers[i + 1].input_norm, layers[i + 1].eps)
+            else:
+                x = x + update
+            if hidden is not None:
+                hidden.append(x)
+        return x, hidden
+
+    def _compiled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: BatchKVCache,
+                  trees: list[DraftTree] | None, lengths: list[int]) -> torch.Tensor:  # [L + 1, B, W, H]
+        """The compiled stack over the rows' committed entries, then its new keys and values written in place."""
+        span = self.span(max(lengths))
+        committed = [layer.committed(span) for layer in cache.layers]
+        mask = committed_then_new_mask(trees, lengths, x.shape[1], span, x.dtype, x.device)
+        graphs = counters["stats"]["unique_graphs"]
+        start = time.perf_counter()
+        hidden, keys, values = self._stack(x, cos, sin, [k for k, _ in committed], [v for _, v in committed], mask)
+        if counters["stats"]["unique_graphs"] != graphs:
+            self.compile_s += time.perf_counter() - start
+            log.info("compiled the lean forward for %d row(s) of width %d in %.1f s", x.shape[0], x.shape[1],
+                     time.perf_counter() - start)
+        for layer, k, v in zip(cache.layers, keys, values):
+            layer.write(k, v)
+        return hidden
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {compiled: its LeanForward}

@@ -41,14 +41,17 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=64 * torch.finfo(want.dtype).eps * max(scale, 1.0))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_logits_and_hidden_states_are_the_hf_forwards(arch):
+def test_logits_and_hidden_states_are_the_hf_forwards(arch, compiled):
+    """Compiled, the second row's prefill and the two-row verify run the compiled graph (the first prefill sizes
+    the cache eagerly): rows of different lengths, a tree, and a narrower tree's padding."""
     model = tiny_model(arch)
     assert lean_unsupported(model) is None
     prompts = [repetitive_prompt(19, seed=1), repetitive_prompt(7, seed=2)]  # rows of different lengths
     trees = [TREE, DraftTree(tokens=torch.tensor([3, 4]), parents=torch.tensor([-1, 0]))]
     (hf_pre, hf_out), (lean_pre, lean_out) = (_forwards(model, lean, prompts, trees)
-                                              for lean in (None, lean_forward(model)))
+                                              for lean in (None, lean_forward(model, compiled=compiled)))
     for hf, lean in [*zip(hf_pre, lean_pre), (hf_out, lean_out)]:
         assert lean.logits.shape == hf.logits.shape
         _close(lean.logits, hf.logits)
