@@ -3,7 +3,9 @@
 A spec is an engine method of `specheads.inference.methods.METHODS` (`ar`, `ngram`, `draft:PATH`,
 `draft:early-exit:N`, each drafter kind as `KIND:HEADS_DIR`; a method with named trees takes an optional `@TREE`
 suffix to run the same heads with another tree, and `+OPTION=VALUE` suffixes set any of the method's options,
-e.g. `+lookup=0` for the heads alone or `+draft_dtype=int8`) or a transformers baseline: `hf` (`generate`),
+e.g. `+lookup=0` for the heads alone or `+draft_dtype=int8`; every engine method also takes `+compile=1` or `+compile=0`
+to run with or without `--compile` whatever the run's flag, so the two compare in one interleaved run) or a
+transformers baseline: `hf` (`generate`),
 `hf-static` (`generate` with a static KV cache and its decode step compiled by `torch.compile`), `hf-assisted:PATH`
 (assisted generation with a draft model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Each engine
 method's options are built, and so checked, while parsing: a bad spec fails before any model loads.
@@ -20,6 +22,8 @@ from specheads.inference.methods import METHODS
 BASELINES = ("hf", "hf-assisted", "hf-pld", "hf-static")
 # "KIND:DIR+lookup=0+draft_dtype=int8": trailing option settings (the value may not contain "+" or "@")
 _OPTION_SUFFIX = re.compile(r"\+([a-z][a-z0-9_-]*)=([^+@]*)$")
+# suffixes every engine method takes: how the engine runs the target, not an option of the method
+ENGINE_SETTINGS = ("compile",)
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
 
 
@@ -35,6 +39,7 @@ class MethodSpec:
     tree: str | None = None  # a named tree (or a tree file, where the method reads them) from an "@TREE" suffix
     lookup: int | None = None  # prompt-lookup continuations from a "+lookup=N" suffix (None: the method's default)
     settings: tuple[tuple[str, str], ...] = ()  # every "+OPTION=VALUE" suffix, as written
+    compile: bool | None = None  # from a "+compile=0|1" suffix (None: the run's --compile)
     options: Any = None  # the engine method's options (None for the HF baselines)
 
 
@@ -75,12 +80,14 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
     if m.arg is not None and not arg:
         raise ValueError(f"method {method} needs a path: {method}:{m.arg_hint}")
     found: list[tuple[str, str]] = []  # read right to left
-    while (suffix := _OPTION_SUFFIX.search(arg)) and m.takes(key := suffix[1].replace("-", "_")):
+    while (suffix := _OPTION_SUFFIX.search(arg)) and (m.takes(key := suffix[1].replace("-", "_"))
+                                                      or key in ENGINE_SETTINGS):
         if any(k == key for k, _ in found):
             raise ValueError(f"{name}: +{key}= is given twice")
         found.append((key, suffix[2]))
         arg = arg[: suffix.start()]
     settings = dict(reversed(found))
+    compile = _flag(name, "compile", settings.pop("compile")) if "compile" in settings else None
     if m.arg is None and arg:
         if unknown := _OPTION_SUFFIX.search(arg):  # no path to hide in: any suffix left names an unknown option
             takes = ", ".join(f.name for f in fields(m.options)) or "none"
@@ -101,4 +108,10 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
     return MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=values.get("lookup"),
-                      settings=tuple(settings.items()), options=options)
+                      settings=tuple(settings.items()), compile=compile, options=options)
+
+
+def _flag(name: str, key: str, text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}: +{key}= takes 1 (on) or 0 (off), got {text!r}")
+    return text == "1"

@@ -169,7 +169,8 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
                   diagnose: bool = False, step: str = "auto", compile: bool = False) -> dict[str, Runner]:
     """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
     `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`).
-    Every engine method runs the target forward `step` and `compile` set (`Engine`'s arguments)."""
+    Every engine method runs the target forward `step` and `compile` set (`Engine`'s arguments); a method's own
+    `+compile=` suffix overrides `compile`."""
     runners: dict[str, Runner] = {}
     for spec in specs:
         if spec.method == "hf":
@@ -188,7 +189,7 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
         else:
             log = RejectionLog() if diagnose else None
             engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log,
-                            step=step, compile=compile)
+                            step=step, compile=compile if spec.compile is None else spec.compile)
             runners[spec.name] = _EngineRunner(engine, log)
     return runners
 

@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine = [f"{name}:{m.arg_hint}" if m.arg else name for name, m in METHODS.items()]
     suffixes = [f"{name}:DIR@TREE ({', '.join(m.trees)})" for name, m in METHODS.items() if m.trees]
     suffixes += [f"{name}:DIR+lookup=N" for name, m in METHODS.items() if m.takes("lookup")]
+    suffixes.append("any engine method +compile=1 or +compile=0 (with or without --compile, whatever the flag)")
     p.add_argument("--methods", default="ar,hf,ngram",
                    help=f"comma list of engine methods: {'; '.join(engine)}; also {'; '.join(suffixes)}; and the "
                         f"baselines {', '.join(BASELINES)} (hf = transformers generate, hf-static the same with its "

@@ -421,3 +421,15 @@ def test_hf_static_runs_on_a_packed_bf16_target():
     new, stats = runner.generate(list(range(3, 20)), max_new_tokens=8, sampling=SamplingParams(), stop_token_ids=[])
     assert len(new) == 8 and stats.new_tokens == 8
     assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+
+
+def test_a_method_runs_compiled_or_not_whatever_the_runs_flag():
+    specs = parse_methods("ar,ar+compile=1,ngram+compile=0+width=2")
+    assert [s.compile for s in specs] == [None, True, False]
+    assert specs[2].options.width == 2 and specs[2].settings == (("width", "2"),)
+    runners = build_runners(tiny_model("llama"), specs, load_draft=None, compile=True)
+    assert [runners[s.name].engine.lean.compiled for s in specs] == [True, True, False]
+    for bad, message in (("ar+compile=yes", r"\+compile= takes 1 \(on\) or 0 \(off\), got 'yes'"),
+                         ("hf+compile=1", "method hf takes no argument")):
+        with pytest.raises(ValueError, match=message):
+            parse_methods(f"ar,{bad}")
