@@ -272,6 +272,7 @@ class LeanForward:
         self.compiled = compiled
         self.compile_s = 0.0  # wall time of the calls that compiled a graph
         self._stack = None
+        self._warm: set[bool] = set()  # row counts (one: False, several: True) whose graphs are compiled
         if compiled:
             device = model.get_input_embeddings().weight.device
             # inductor's freezing: weights become constants, reordered once for its CPU products; on CUDA the
@@ -334,19 +335,43 @@ class LeanForward:
     def _compiled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: BatchKVCache,
                   trees: list[DraftTree] | None, lengths: list[int]) -> torch.Tensor:  # [L + 1, B, W, H]
         """The compiled stack over the rows' committed entries, then its new keys and values written in place."""
-        span = self.span(max(lengths))
+        # at least one span of slots, all masked for a new row's prompt: an empty committed span would be a graph of
+        # its own (torch specialises a size of 0 as it does 1)
+        span = self.span(max(*lengths, 1))
         committed = [layer.committed(span) for layer in cache.layers]
+        several = x.shape[0] > 1
+        if several not in self._warm:
+            # torch specialises sizes of 1, so a one-token step and a wider forward (a tree, a prompt) are two
+            # graphs for each of one row and several: the first call of either compiles both, the other on inputs
+            # whose outputs are dropped, so that no later step (a timed one, a served one) waits for a compile
+            self._warm.add(several)
+            other = 2 if x.shape[1] == 1 else 1
+            ids = torch.zeros(x.shape[0], other, dtype=torch.long, device=x.device)
+            positions = torch.tensor(lengths, device=x.device)[:, None] + torch.arange(other, device=x.device)
+            x_other = self.embed(ids)
+            cos_other, sin_other = self.rotary(x_other, positions)
+            self._run_stack(x_other, cos_other[:, None], signed_sin(sin_other)[:, None], committed,
+                            committed_then_new_mask(None, lengths, other, span, x.dtype, x.device))
         mask = committed_then_new_mask(trees, lengths, x.shape[1], span, x.dtype, x.device)
+        hidden, keys, values = self._run_stack(x, cos, sin, committed, mask)
+        for layer, k, v in zip(cache.layers, keys, values):
+            layer.write(k, v)
+        return hidden
+
+    def _run_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   committed: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        hidden, keys, values = self._stack(x, cos, sin, [k for k, _ in committed], [v for _, v in committed], mask)
+        # no duck shaping: a width that happens to equal another size (a head count, say) is not tied to it, so the
+        # warm-up's width stands for every width
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            out = self._stack(x, cos, sin, [k for k, _ in committed], [v for _, v in committed], mask)
         if counters["stats"]["unique_graphs"] != graphs:
             self.compile_s += time.perf_counter() - start
             log.info("compiled the lean forward for %d row(s) of width %d in %.1f s", x.shape[0], x.shape[1],
                      time.perf_counter() - start)
-        for layer, k, v in zip(cache.layers, keys, values):
-            layer.write(k, v)
-        return hidden
+        return out
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {compiled: its LeanForward}

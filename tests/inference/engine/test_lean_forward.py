@@ -169,6 +169,22 @@ def test_the_compiled_forward_decodes_plain_greedy_and_never_recompiles_per_step
     assert counters["stats"]["unique_graphs"] == graphs  # no width, length or step compiled anew
 
 
+def test_the_first_compiled_step_compiles_the_graph_a_later_prompt_needs():
+    """Plain decoding runs one-token steps only; a later prompt into the warm cache runs the wider graph, which the
+    first step compiled beside its own, so no generation after the first waits for a compile."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    prompts = [repetitive_prompt(seed=3), repetitive_prompt(length=17, seed=4)]
+    plain = [Engine(model, AutoregressiveProposer(), step="hf").generate(p, max_new_tokens=12).output_ids
+             for p in prompts]
+    engine = Engine(model, AutoregressiveProposer(), step="lean", compile=True)
+    assert engine.generate(prompts[0], max_new_tokens=12).output_ids == plain[0]
+    graphs = counters["stats"]["unique_graphs"]
+    assert engine.generate(prompts[1], max_new_tokens=12).output_ids == plain[1]
+    assert counters["stats"]["unique_graphs"] == graphs and engine.lean.compile_s > 0
+
+
 def test_compile_is_refused_without_the_lean_forward():
     with pytest.raises(ValueError, match="--compile compiles the lean forward"):
         Engine(tiny_model(), AutoregressiveProposer(), step="hf", compile=True)
