@@ -161,14 +161,11 @@ def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dty
     softmax stays finite."""
     width = max(t.size for t in trees)
     total = span or max(lengths) + width
+    new, real = _new_entries_visible(trees, width)
     visible = torch.zeros(len(trees), width, total, dtype=torch.bool)
-    for b, (tree, length) in enumerate(zip(trees, lengths)):
-        n = tree.size
-        visible[b, :, :length] = True
-        visible[b, :n, length : length + n] = tree.ancestors.cpu()
-        pad = torch.arange(n, width)
-        visible[b, pad, :length] = False
-        visible[b, pad, length + pad] = True
+    for b, length in enumerate(lengths):
+        visible[b, :, :length] = real[b, :, None]
+        visible[b, :, length : length + width] = new[b]
     return additive_mask(visible, dtype, device)
 
 
@@ -186,18 +183,28 @@ def committed_then_new_mask(trees: list[DraftTree] | None, lengths: list[int], w
     """The mask of a forward whose keys are each row's first `span` cache slots followed by its W new entries (not
     yet written): row b's query i sees slots [0, lengths[b]) and its tree's ancestors of node i among the new
     entries (`trees` None: inputs 0..i, a chain). Padding queries see only their own new entry."""
+    new, real = _new_entries_visible(trees, width, rows=len(lengths))
     visible = torch.zeros(len(lengths), width, span + width, dtype=torch.bool)
-    visible[..., :span] = torch.arange(span) < torch.tensor(lengths)[:, None, None]
-    if trees is None:
-        visible[..., span:] = torch.ones(width, width, dtype=torch.bool).tril()
-    else:
-        for b, tree in enumerate(trees):
-            n = tree.size
-            visible[b, :n, span : span + n] = tree.ancestors.cpu()
-            pad = torch.arange(n, width)
-            visible[b, pad, :span] = False
-            visible[b, pad, span + pad] = True
+    visible[..., :span] = (torch.arange(span) < torch.tensor(lengths)[:, None, None]) & real[..., None]
+    visible[..., span:] = new
     return additive_mask(visible, dtype, device)
+
+
+def _new_entries_visible(trees: list[DraftTree] | None, width: int,
+                         rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of a forward's W new entries each query sees, [B, W, W] bool: node i its tree's ancestors (itself
+    included), a padding query (i >= its tree's size) only its own entry; `trees` None: a chain over `rows` rows,
+    inputs 0..i. And which queries are real, [B, W] bool (padding ones see no prefix)."""
+    if trees is None:
+        return (torch.ones(width, width, dtype=torch.bool).tril().expand(rows, width, width),
+                torch.ones(rows, width, dtype=torch.bool))
+    new = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
+    real = torch.zeros(len(trees), width, dtype=torch.bool)
+    for b, tree in enumerate(trees):
+        n = tree.size
+        new[b, :n, :n] = tree.ancestors.cpu()
+        real[b, :n] = True
+    return new, real
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -297,9 +297,7 @@ class LeanForward:
         length."""
         lengths = cache.window_lengths()
         width = input_ids.shape[1]
-        x = self.embed(input_ids)
-        cos, sin = self.rotary(x, position_ids)
-        cos, sin = cos[:, None], signed_sin(sin)[:, None]  # [B, 1, W, D]: broadcast over heads
+        x, cos, sin = self._inputs(input_ids, position_ids)
         if self._stack is not None and cache.layers[0].is_initialized:  # a first prefill sizes the buffers
             hidden = self._compiled(x, cos, sin, cache, trees, lengths)
             x = hidden[-1]
@@ -316,6 +314,14 @@ class LeanForward:
             hidden = (*hidden[:-1], x)  # HF's last hidden state is the normed one
             x = x[:, -logits_to_keep:] if logits_to_keep else x
         return LeanOutput(logits=self.head(x), hidden_states=hidden)
+
+    def _inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, W] ids and positions -> embeddings [B, W, H] and RoPE's cos and signed sin [B, 1, W, D] (broadcast
+        over heads)."""
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, position_ids)
+        return x, cos[:, None], signed_sin(sin)[:, None]
 
     def _eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: BatchKVCache, mask: torch.Tensor,
                output_hidden_states: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -348,9 +354,7 @@ class LeanForward:
             other = 2 if x.shape[1] == 1 else 1
             ids = torch.zeros(x.shape[0], other, dtype=torch.long, device=x.device)
             positions = torch.tensor(lengths, device=x.device)[:, None] + torch.arange(other, device=x.device)
-            x_other = self.embed(ids)
-            cos_other, sin_other = self.rotary(x_other, positions)
-            self._run_stack(x_other, cos_other[:, None], signed_sin(sin_other)[:, None], committed,
+            self._run_stack(*self._inputs(ids, positions), committed,
                             committed_then_new_mask(None, lengths, other, span, x.dtype, x.device))
         mask = committed_then_new_mask(trees, lengths, x.shape[1], span, x.dtype, x.device)
         hidden, keys, values = self._run_stack(x, cos, sin, committed, mask)
