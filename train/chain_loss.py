@@ -16,6 +16,7 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import DynamicCache
 
 from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
+from specheads.train.divergence import soft_cross_entropy
 from specheads.train.features import batch_features, last_layer
 
 EVAL_STEPS = 4  # draft steps evaluated (chain depth of the simulated acceptance length)
@@ -99,15 +100,16 @@ def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
     wanted = last[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
     with torch.no_grad():  # so the target's distribution is computed once for all steps
         weight = target_draft_weight(target, model.draft_ids)
-        target_probs = (wanted.to(weight.dtype) @ weight.T).float().softmax(-1)  # [M0, Vd]
+        target_logits = wanted.to(weight.dtype) @ weight.T  # [M0, Vd]
     total, stats, norm = 0.0, {}, 0.0
     for k, pred in enumerate(outs):
         valid = _valid(counts, k)
         keep = valid[counts]  # [M0]: which of the counted positions step k predicts
-        target_p = target_probs[keep]  # [M, Vd]
+        step_target = target_logits[keep]  # [M, Vd]
         got = pred[valid]  # [M, H]
-        logits = model.draft_logits(got).float()  # [M, Vd]
-        ce = -(target_p * logits.log_softmax(-1)).sum(-1).mean()
+        logits = model.draft_logits(got)  # [M, Vd]
+        ce, agree = soft_cross_entropy(step_target, logits)
+        ce = ce.mean()
         step = cls_weight * ce
         suffix = "" if k == 0 else f"_step{k + 1}"
         if reg_weight > 0:
@@ -117,8 +119,7 @@ def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
         w = ttt_decay ** k
         total = total + w * step
         norm += w
-        with torch.no_grad():
-            top1 = (logits.argmax(-1) == target_p.argmax(-1)).float().mean()
+        top1 = agree.float().mean()
         stats |= {f"loss_ce{suffix}": float(ce.detach()), f"top1{suffix}": float(top1)}
     return total / norm, stats
 

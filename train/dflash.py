@@ -20,6 +20,7 @@ from specheads.heads.dflash import KIND_NAME, DFlashBlock, DFlashConfig, DFlashH
 from specheads.heads.fused_head import declared_by
 from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, target_draft_weight
 from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
+from specheads.train.divergence import soft_cross_entropy
 from specheads.train.features import batch_features, last_layer
 from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
@@ -120,15 +121,15 @@ def dflash_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
     last = last_layer(features, model.config.hidden_size)
     with torch.no_grad():
         weight = target_draft_weight(target, model.draft_ids)
-        target_p = (last[rows[valid], at[valid] - 1].to(weight.dtype) @ weight.T).float().softmax(-1)  # [M, Vd]
-    logits = model.draft_logits(drafted[valid]).float()  # [M, Vd]
-    ce = -(target_p * logits.log_softmax(-1)).sum(-1)  # [M]
+        target_logits = last[rows[valid], at[valid] - 1].to(weight.dtype) @ weight.T  # [M, Vd]
+    logits = model.draft_logits(drafted[valid])  # [M, Vd]
+    ce, agree = soft_cross_entropy(target_logits, logits)  # [M], [M]
     entry_slot = slot.expand_as(at)[valid]  # [M]
     w = torch.exp(-(entry_slot - 1).float() / settings.position_decay)
     loss = (w * ce).sum() / w.sum().clamp(min=1e-9)
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean()) if ce.numel() else 0.0}
     with torch.no_grad():
-        hit = (logits.argmax(-1) == target_p.argmax(-1)).float()
+        hit = agree.float()
         for j in range(1, block):
             here = entry_slot == j
             if bool(here.any()):

@@ -57,46 +57,76 @@ def token_divergence(
     beta: float = 0.5,  # jsd only: the weight of the target's side
 ) -> torch.Tensor:  # [...] the divergence at every position, fp32
     check_divergence(name, beta, temperature)
-    return _FusedDivergence.apply(target_logits.detach(), draft_logits, name, temperature, beta)
+    return _FusedDivergence.apply(target_logits.detach(), draft_logits, name, temperature, beta, False)[0]
+
+
+def soft_cross_entropy(
+    target_logits: torch.Tensor,  # [..., V] the frozen target's logits (detached here)
+    draft_logits: torch.Tensor,  # [..., V] the drafter's logits at the same positions
+) -> tuple[torch.Tensor, torch.Tensor]:  # [...] -Σ p log q, fp32; [...] bool: the two argmaxes agree (top-1)
+    """The heads recipes' loss: cross-entropy against the target's whole distribution (forward KL plus the
+    target's entropy, so the same gradient q − p), fused like `token_divergence` rather than through autograd's
+    softmax, log-softmax and product over the vocabulary. Top-1 agreement comes from the same blocks: an argmax
+    over bf16 logits of the whole batch costs more than the loss itself on a CPU."""
+    values, agree = _FusedDivergence.apply(target_logits.detach(), draft_logits, "cross_entropy", 1.0, 0.5, True)
+    return values, agree
 
 
 _BLOCK_ELEMENTS = 1 << 19  # rows per block x V: 2 MiB of fp32, so a block's passes stay in cache
 
 
 class _FusedDivergence(torch.autograd.Function):
-    """The divergence per row, with dL/d(draft logits) computed alongside and saved for the backward pass."""
+    """The divergence per row, with dL/d(draft logits) computed alongside and saved for the backward pass, and
+    (when asked) whether the two argmaxes agree."""
 
     @staticmethod
     def forward(ctx, target_logits: torch.Tensor, draft_logits: torch.Tensor, name: str, temperature: float,
-                beta: float) -> torch.Tensor:
+                beta: float, agreement: bool) -> tuple[torch.Tensor, torch.Tensor]:
         vocab = draft_logits.shape[-1]
         target_rows, draft_rows = target_logits.reshape(-1, vocab), draft_logits.reshape(-1, vocab)
         values = torch.empty(draft_rows.shape[0], dtype=torch.float32, device=draft_rows.device)
+        agree = torch.zeros(draft_rows.shape[0] if agreement else 0, dtype=torch.bool, device=draft_rows.device)
         want_grad = ctx.needs_input_grad[1]
         grad = torch.empty(draft_rows.shape, dtype=torch.float32, device=draft_rows.device) if want_grad else None
         block = max(1, _BLOCK_ELEMENTS // vocab)
         for start in range(0, draft_rows.shape[0], block):
             rows = slice(start, start + block)
-            log_p = F.log_softmax(target_rows[rows].float() / temperature, dim=-1)
-            log_q = F.log_softmax(draft_rows[rows].float() / temperature, dim=-1)
+            log_p = F.log_softmax(_scaled(target_rows[rows], temperature), dim=-1)
+            log_q = F.log_softmax(_scaled(draft_rows[rows], temperature), dim=-1)
             values[rows] = _value_and_grad(name, log_p, log_q, beta, None if grad is None else grad[rows])
+            if agreement:  # one argmax, not two: a CPU's argmax is ~20x slower than its max
+                top_p = log_p.argmax(-1, keepdim=True)
+                agree[rows] = (log_q.gather(-1, top_p) == log_q.amax(-1, keepdim=True)).squeeze(-1)
         if grad is not None:
             grad.div_(temperature)
         ctx.save_for_backward(grad)
         ctx.draft_shape, ctx.draft_dtype = draft_logits.shape, draft_logits.dtype
-        return values.reshape(draft_logits.shape[:-1])
+        ctx.mark_non_differentiable(agree)
+        shape = draft_logits.shape[:-1]
+        return values.reshape(shape), agree.reshape(shape if agreement else (0,))
 
     @staticmethod
-    def backward(ctx, grad_values: torch.Tensor):
+    def backward(ctx, grad_values: torch.Tensor, _grad_agree: torch.Tensor | None = None):
         (grad,) = ctx.saved_tensors
         draft_grad = (grad * grad_values.reshape(-1, 1).float()).reshape(ctx.draft_shape).to(ctx.draft_dtype)
-        return None, draft_grad, None, None, None
+        return None, draft_grad, None, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / T (no division pass at T = 1)."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _value_and_grad(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float,
                     grad_out: torch.Tensor | None) -> torch.Tensor:
     """The divergence of each row of a block; writes dL/dz (before the 1/T) into `grad_out` when given."""
     q = log_q.exp()
+    if name == "cross_entropy":
+        p = log_p.exp()
+        if grad_out is not None:
+            torch.sub(q, p, out=grad_out)
+        return -(p * log_q).sum(-1)
     if name == "forward_kl":
         p = log_p.exp()
         if grad_out is not None:

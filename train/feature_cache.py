@@ -49,9 +49,14 @@ def write_feature_cache(
     dtype: str = "bfloat16",
     aux_layers: Sequence[int] = (),
     shard_tokens: int = 1 << 20,
+    batch_tokens: int = 4096,
 ) -> Path:
     """Compute and store features for every example. A complete cache for the same data is reused
-    when it holds the same aux layers, or when only the last layer is wanted (any cache has it)."""
+    when it holds the same aux layers, or when only the last layer is wanted (any cache has it).
+
+    Examples of similar length run together, up to `batch_tokens` padded tokens per forward: one
+    conversation per forward leaves most of a CPU's matrix throughput unused (and autocast casts
+    every weight again for each forward), so batches of ~8 cache about twice as fast."""
     if dtype not in DTYPES:
         raise ValueError(f"feature dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
@@ -70,7 +75,7 @@ def write_feature_cache(
     size = total * width * torch.tensor([], dtype=DTYPES[dtype]).element_size()
     log.info("feature cache: %d tokens x %d x %s = %.2f GB in %s", total, width, dtype, size / 1e9, out)
     device = next(target.parameters()).device
-    examples: list[list[int]] = []
+    examples: list[list[int]] = [[]] * len(input_ids)  # in input order, whatever order they are computed in
     pending: list[torch.Tensor] = []
     pending_tokens, shard = 0, 0
 
@@ -83,14 +88,20 @@ def write_feature_cache(
             shard += 1
         pending, pending_tokens = [], 0
 
-    for ids in tqdm(input_ids, desc="caching features", unit="conv"):
-        x = torch.tensor([ids], device=device)
-        feats = target_features(target, x, torch.ones_like(x), aux_layers)[0].to("cpu", DTYPES[dtype])  # [T, D]
-        examples.append([shard, pending_tokens, len(ids)])
-        pending.append(feats)
-        pending_tokens += len(ids)
-        if pending_tokens >= shard_tokens:
-            flush()
+    bar = tqdm(total=len(input_ids), desc="caching features", unit="conv")
+    for rows in length_batches([len(ids) for ids in input_ids], batch_tokens):
+        batch = collate([{"input_ids": input_ids[i], "loss_mask": [0] * len(input_ids[i])} for i in rows], 0)
+        feats = target_features(target, batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                aux_layers).to("cpu", DTYPES[dtype])  # [B, T, D]
+        for r, i in enumerate(rows):
+            n = len(input_ids[i])
+            examples[i] = [shard, pending_tokens, n]
+            pending.append(feats[r, :n])
+            pending_tokens += n
+            if pending_tokens >= shard_tokens:
+                flush()
+        bar.update(len(rows))
+    bar.close()
     flush()
     # The index goes last: a cache without it is incomplete and gets rebuilt.
     tmp = out / "index.json.tmp"
@@ -98,6 +109,19 @@ def write_feature_cache(
                                "examples": examples}))
     os.replace(tmp, index_path)
     return out
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length (longest first), each group's rows x longest length <= batch_tokens (a longer
+    example alone): little padding, and the slowest batch first so the progress bar's estimate is an upper one."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= batch_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 class FeatureCache:

@@ -29,6 +29,7 @@ from specheads.heads.fused_head import declared_by
 from specheads.heads.peagle import KIND_NAME, PEagleBlock, PEagleConfig, PEagleHead
 from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, chain_inputs, target_draft_weight
 from specheads.train.class_top1 import TOKEN_HITS, token_hits
+from specheads.train.divergence import soft_cross_entropy
 from specheads.train.features import batch_features, last_layer
 from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
@@ -118,12 +119,12 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
     at = (anchor + depth)[None].expand_as(valid)[valid]
     with torch.no_grad():
         weight = target_draft_weight(target, model.draft_ids)
-        target_p = (last[rows, at].to(weight.dtype) @ weight.T).float().softmax(-1)  # [M, Vd]
-    logits = model.draft_logits(out[valid]).float()  # [M, Vd]
-    ce = -(target_p * logits.log_softmax(-1)).sum(-1)  # [M]
+        target_logits = last[rows, at].to(weight.dtype) @ weight.T  # [M, Vd]
+    logits = model.draft_logits(out[valid])  # [M, Vd]
+    ce, agree = soft_cross_entropy(target_logits, logits)  # [M], [M]
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean())}
     with torch.no_grad():
-        hit = (logits.argmax(-1) == target_p.argmax(-1)).float()
+        hit = agree.float()
         entry_depth = depth[None].expand_as(valid)[valid]
         for d in range(len(anchors)):
             at_d = entry_depth == d

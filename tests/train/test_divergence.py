@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specheads.train import divergence
-from specheads.train.divergence import DIVERGENCES, token_divergence, token_divergences
+from specheads.train.divergence import DIVERGENCES, soft_cross_entropy, token_divergence, token_divergences
 
 P = [0.5, 0.3, 0.2]  # the target's distribution
 Q = [0.2, 0.2, 0.6]  # the drafter's
@@ -101,3 +101,27 @@ def test_bad_settings_are_named(kwargs, message):
     name = kwargs.pop("name")
     with pytest.raises(ValueError, match=message):
         token_divergence(name, logits(P), logits(Q), **kwargs)
+
+
+def test_soft_cross_entropy_is_the_autograd_formula_in_value_and_gradient(monkeypatch):
+    monkeypatch.setattr(divergence, "_BLOCK_ELEMENTS", 3 * 64)  # blocks of 3 rows
+    generator = torch.Generator().manual_seed(1)
+    target = torch.randn(10, 64, generator=generator) * 3
+    target[0, :5] = float("-inf")  # tokens the target never says add nothing
+    draft = torch.randn(10, 64, generator=generator) * 3
+    draft[2:6] = target[2:6] / 2  # these rows agree on the top token
+    draft.requires_grad_(True)
+    weights = torch.rand(10, generator=generator)
+    ce, agree = soft_cross_entropy(target, draft)
+    (ce * weights).sum().backward()
+    fused_grad, draft.grad = draft.grad, None
+    reference = -(target.softmax(-1) * draft.log_softmax(-1)).sum(-1)
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(ce.detach(), reference.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grad, draft.grad, rtol=1e-4, atol=1e-7)
+    assert torch.equal(agree, target.argmax(-1) == draft.argmax(-1)) and agree[2:6].all() and not agree.all()
+    # cross-entropy = forward KL + the target's entropy
+    p = target.softmax(-1)
+    entropy = -(p * p.log()).nan_to_num().sum(-1)
+    torch.testing.assert_close(soft_cross_entropy(target, draft.detach())[0],
+                               token_divergence("forward_kl", target, draft.detach()) + entropy, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specheads.train.data import collate
-from specheads.train.feature_cache import FeatureCache, collate_with_features, write_feature_cache
+from specheads.train.feature_cache import FeatureCache, collate_with_features, length_batches, write_feature_cache
 from specheads.train.features import batch_features, target_features
 from tests.conftest import tiny_model
 
@@ -74,7 +74,8 @@ def test_aux_layer_features_are_the_hidden_states_and_cache_like_online(tmp_path
     cache = FeatureCache(tmp_path)
     assert cache.aux_layers == [1, 3] and cache.width == 192
     offline = collate_with_features([ex[0], ex[3]], 0, cache)
-    torch.testing.assert_close(offline["features"][valid], feats[valid], atol=1e-5, rtol=1e-5)
+    # cached in other batches than this one's: equal up to fp32 rounding of products of other shapes
+    torch.testing.assert_close(offline["features"][valid], feats[valid], atol=1e-4, rtol=1e-4)
     # A run that wants only the last layer (Medusa) reads its columns from the same cache ...
     torch.testing.assert_close(batch_features(target, offline)[valid], feats[..., -64:][valid], atol=1e-5, rtol=1e-5)
     # ... but heads that want other aux layers are told to rebuild it.
@@ -91,3 +92,25 @@ def test_cache_without_aux_layers_is_rebuilt_for_heads_that_need_them(tmp_path):
     stamp = (tmp_path / "index.json").stat().st_mtime_ns
     write_feature_cache(target, ids, tmp_path, target_name="tiny", dtype="float32")  # last layer only: reused
     assert (tmp_path / "index.json").stat().st_mtime_ns == stamp
+
+
+def test_length_batches_cover_every_example_once_within_the_token_budget():
+    lengths = [5, 40, 12, 12, 7, 100, 3, 40]
+    groups = length_batches(lengths, batch_tokens=48)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert groups[0] == [5]  # longer than the budget: alone, and first
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 48
+
+
+def test_batched_caching_gives_each_example_its_own_features(tmp_path):
+    target = tiny_model("llama")
+    ids = [e["input_ids"] for e in examples()]
+    write_feature_cache(target, ids, tmp_path / "one", target_name="tiny", dtype="float32", batch_tokens=1)
+    write_feature_cache(target, ids, tmp_path / "many", target_name="tiny", dtype="float32", batch_tokens=64,
+                        shard_tokens=30)
+    one, many = FeatureCache(tmp_path / "one"), FeatureCache(tmp_path / "many")
+    for i, x in enumerate(ids):
+        assert many[i].shape == (len(x), 64)
+        # the padding beside it changes nothing but fp32 rounding in products of other shapes
+        torch.testing.assert_close(many[i], one[i], atol=1e-4, rtol=1e-4)
