@@ -210,6 +210,9 @@ class Record:
     # (divergence.py)
 
 
+WARMUP_NEW_TOKENS = 32
+
+
 def run_bench(
     runners: dict[str, Runner],
     tokenizer: PreTrainedTokenizerBase,
@@ -224,8 +227,9 @@ def run_bench(
     """Yield one Record per (question, method, turn), methods interleaved within each question.
 
     0. Tell runners that size a buffer once (`reserve`) the most positions one generation of the run can take.
-    1. Run the first `warmup` questions' first turn once per method and discard them (allocator and
-       kernel warm-up, HF's lazy set-up, hf-static's compilation).
+    1. Run the first `warmup` questions' first turn once per method, up to WARMUP_NEW_TOKENS new tokens, and
+       discard them (allocator and kernel warm-up, HF's lazy set-up, hf-static's and `--compile`'s compilation:
+       all of it happens in the prompt and the first few steps, so a whole answer would only add time).
     2. For each question, for each method: answer turn 1; for turn 2 render [user 1, the method's own
        answer 1, user 2] with the chat template and answer that.
     With a seed, each (question, turn) draws from its own stream (`SamplingParams.for_draw`), the same for
@@ -236,12 +240,13 @@ def run_bench(
     if turns == 2 and any(len(q.turns) < 2 for q in questions):
         raise ValueError("--turns 2 needs two turns per question; the questions file has single-turn questions")
 
-    def gen(name: str, prompt: list[int], q: Question, turn: int) -> tuple[list[int], GenerationStats]:
+    def gen(name: str, prompt: list[int], q: Question, turn: int,
+            new_tokens: int = max_new_tokens) -> tuple[list[int], GenerationStats]:
         log = getattr(runners[name], "log", None)
         if log is not None:
             log.category = q.category
         # Every method draws with the question's own seed, so methods compare on equal randomness.
-        return runners[name].generate(prompt, max_new_tokens=max_new_tokens,
+        return runners[name].generate(prompt, max_new_tokens=new_tokens,
                                       sampling=sampling.for_draw(q.question_id, turn), stop_token_ids=stop_token_ids)
 
     reserving = [r for r in runners.values() if hasattr(r, "reserve")]
@@ -251,7 +256,7 @@ def run_bench(
             runner.reserve(positions)
     for q in questions[:warmup]:
         for name in runners:
-            gen(name, render_chat(tokenizer, [q.turns[0]]), q, 1)
+            gen(name, render_chat(tokenizer, [q.turns[0]]), q, 1, min(max_new_tokens, WARMUP_NEW_TOKENS))
     for runner in runners.values():  # the warm-up is not diagnosed either
         log = getattr(runner, "log", None)
         if log is not None:

@@ -412,6 +412,20 @@ def test_every_method_draws_with_each_questions_own_seed():
     assert again.seeds == a[2:]  # a question's stream does not depend on the others asked
 
 
+def test_the_warm_up_is_short_and_discarded_and_every_question_then_gets_the_full_budget():
+    class Lengths(_SeedRecorder):
+        def generate(self, prompt, *, max_new_tokens, sampling, stop_token_ids):
+            self.seeds.append(max_new_tokens)
+            return [5], GenerationStats(new_tokens=1, steps=1, wall_s=0.01)
+
+    runner = Lengths()
+    questions = [Question(qid, "c", ("w5 w6",)) for qid in (1, 2)]
+    records = list(run_bench({"a": runner}, tiny_tokenizer(), questions, max_new_tokens=100, warmup=1,
+                             sampling=SamplingParams(), stop_token_ids=[]))
+    assert runner.seeds == [bench.WARMUP_NEW_TOKENS, 100, 100] and bench.WARMUP_NEW_TOKENS < 100
+    assert [r.question_id for r in records] == [1, 2]
+
+
 @pytest.mark.skipif(not packing_available(), reason="oneDNN bf16 packing is not available on this CPU")
 def test_hf_static_runs_on_a_packed_bf16_target():
     # torch.compile cannot trace oneDNN's packed weights: the runner must hand it plain layers, and leave them packed
