@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from specheads.inference.proposers.verify_cost import VerifyCost
@@ -35,12 +36,46 @@ def tiny_config(arch: str = "llama", *, layers: int = 4, vocab: int = TINY_VOCAB
         return Qwen3Config(**common, head_dim=hidden // common["num_attention_heads"])
     if arch == "mistral":  # without a sliding window: full attention in every layer
         return MistralConfig(**common, sliding_window=None)
+    if arch == "qwen3_moe":  # a routed mixture of experts in every layer
+        return transformers.Qwen3MoeConfig(**common, head_dim=hidden // common["num_attention_heads"], num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=hidden, decoder_sparse_step=1)
+    if arch == "phi3":  # fused q/k/v and gate/up projections
+        return transformers.Phi3Config(**common)
+    if arch == "granite":  # embeddings multiplied, logits divided, residuals and attention scaled
+        return transformers.GraniteConfig(**common, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                          attention_multiplier=0.25, logits_scaling=4.0)
+    if arch == "olmo2":  # norms after attention and MLP, q/k norms over all heads
+        return transformers.Olmo2Config(**common)
+    # Windows of a few tokens, so a short test decodes past them.
+    if arch == "mistral-window":  # a sliding window in every layer
+        return MistralConfig(**common, sliding_window=WINDOW)
+    if arch in ("gemma2", "gemma3_text"):  # local and global layers, embeddings scaled by sqrt(H), soft-capping
+        cls = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}[arch]
+        return getattr(transformers, cls)(**common, head_dim=hidden // common["num_attention_heads"],
+                                          sliding_window=WINDOW, query_pre_attn_scalar=hidden // 4,
+                                          layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if arch == "gpt_oss":  # alternating local and global layers, attention sinks, a routed mixture of experts
+        return transformers.GptOssConfig(**common, head_dim=hidden // common["num_attention_heads"],
+                                         sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                         layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if arch == "exaone4":  # local layers and a global one, q/k norms
+        return transformers.Exaone4Config(**common, sliding_window=WINDOW,
+                                          layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
     raise ValueError(arch)
+
+
+WINDOW = 6  # the tiny windowed families' sliding window
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **kwargs) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kwargs), attn_implementation="sdpa")
+    config = tiny_config(arch, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # no SDPA path (soft-capping in Gemma 2, attention sinks in gpt-oss): eager, as load_target
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.eval().requires_grad_(False)
 
 

@@ -18,7 +18,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from specheads.inference.engine.cache import grown
+from specheads.inference.engine.cache import full_length_layers, grown
+from specheads.inference.engine.layer_attention import FULL_ONLY, LayerAttention, additive_mask
 from specheads.inference.engine.tree import DraftTree
 
 
@@ -97,13 +98,7 @@ class BatchKVCache(DynamicCache):
 
     def __init__(self, config: PretrainedConfig, rows: int, capacity: int = 1024, grow_rows: bool = False) -> None:
         super().__init__(config=config)
-        unsupported = sorted({type(layer).__name__ for layer in self.layers if type(layer) is not DynamicLayer})
-        if unsupported:
-            raise ValueError(
-                f"{config.model_type} uses cache layers {unsupported} (sliding-window or linear attention), "
-                "which tree verification cannot roll back; use a model with full attention in every layer"
-            )
-        self.layers = [_RowsLayer(rows, capacity, self) for _ in self.layers]
+        self.layers = [_RowsLayer(rows, capacity, self) for _ in full_length_layers(config, self.layers)]
         self.rows = rows
         self.grows = grow_rows
         self.lengths: list[int] = []  # committed entries of each occupied row; rows 0..len-1 are occupied
@@ -154,11 +149,13 @@ class BatchKVCache(DynamicCache):
 
 
 def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dtype, device: torch.device,
-                    span: int | None = None) -> torch.Tensor:  # [B, 1, W, span or max(lengths) + W] additive
+                    span: int | None = None, attention: LayerAttention = FULL_ONLY,
+                    ) -> torch.Tensor | dict[str, torch.Tensor]:  # [B, 1, W, span or max(lengths) + W] additive
     """Row b's query i sees keys [0, lengths[b]) (its committed prefix) and its tree's ancestors of node i (itself
     included) at lengths[b] + j; nothing else: not other rows' longer prefixes, not stale slots, not padding, not
     the slots a longer `span` adds. Padding queries (i >= the row's tree size) see only their own slot, so their
-    softmax stays finite."""
+    softmax stays finite. Sliding-window layers (`attention`) see only the keys within their window; one mask per
+    layer type when the model's layers differ."""
     width = max(t.size for t in trees)
     total = span or max(lengths) + width
     new, real = _new_entries_visible(trees, width)
@@ -166,16 +163,23 @@ def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dty
     for b, length in enumerate(lengths):
         visible[b, :, :length] = real[b, :, None]
         visible[b, :, length : length + width] = new[b]
-    return additive_mask(visible, dtype, device)
+    if not attention.windowed:
+        return additive_mask(visible, dtype, device)
+    queries = torch.tensor(lengths)[:, None].repeat(1, width)  # [B, W]: padding queries sit at the row's length
+    keys = torch.arange(total).repeat(len(trees), 1)  # [B, S]: a committed slot holds its own position
+    for b, (tree, length) in enumerate(zip(trees, lengths)):
+        queries[b, : tree.size] += tree.depths.cpu()
+        keys[b, length : length + width] = queries[b]  # node j's entry holds node j's position
+    return attention.masks(visible, queries, keys, dtype, device)
 
 
-def causal_mask(lengths: list[int], width: int, span: int, dtype: torch.dtype,
-                device: torch.device) -> torch.Tensor:  # [B, 1, W, span] additive
+def causal_mask(lengths: list[int], width: int, span: int, dtype: torch.dtype, device: torch.device,
+                attention: LayerAttention = FULL_ONLY) -> torch.Tensor | dict[str, torch.Tensor]:  # [B, 1, W, span]
     """Row b's query i sees its prefix and its inputs 0..i (a chain: a prefill, or plain decoding) in a window of
-    `span` slots."""
-    keys = torch.arange(span)
+    `span` slots (sliding-window layers: only the keys within their window)."""
+    keys = torch.arange(span)  # every slot holds its own position
     limit = torch.tensor(lengths)[:, None] + torch.arange(width)  # [B, W]: the last slot each query sees
-    return additive_mask(keys <= limit[..., None], dtype, device)
+    return attention.masks(keys <= limit[..., None], limit, keys.expand(len(lengths), span), dtype, device)
 
 
 def committed_then_new_mask(trees: list[DraftTree] | None, lengths: list[int], width: int, span: int,
@@ -207,7 +211,3 @@ def _new_entries_visible(trees: list[DraftTree] | None, width: int,
     return new, real
 
 
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[B, W, S] bool (query sees key) -> [B, 1, W, S] additive attention mask."""
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[:, None].to(device)

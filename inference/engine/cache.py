@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from specheads.hf import cache_kwargs  # noqa: F401  (re-exported: the engine's entry point for it)
+from specheads.inference.engine.layer_attention import layer_attention
 
 
 def grown(buf: torch.Tensor, needed: int, keep: int) -> torch.Tensor:
@@ -24,6 +25,18 @@ def grown(buf: torch.Tensor, needed: int, keep: int) -> torch.Tensor:
     new = buf.new_zeros(buf.shape[0], buf.shape[1], max(needed, 2 * buf.shape[2]), buf.shape[3])
     new[:, :, :keep] = buf[:, :, :keep]
     return new
+
+
+def full_length_layers(config: PretrainedConfig, layers: list) -> list:
+    """`layers` (a DynamicCache's, one per model layer), checked to be ones the engine's full-length layers replace:
+    full attention, or a sliding window (kept whole, the window applied in the mask: `layer_attention.py`)."""
+    layer_attention(config)  # other layer types are refused by name
+    unsupported = sorted({type(layer).__name__ for layer in layers
+                          if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
+    if unsupported:
+        raise ValueError(f"{config.get_text_config().model_type} uses cache layers {unsupported}, which tree "
+                         "verification cannot roll back; use a model with full or sliding-window attention")
+    return layers
 
 
 class _GrowableLayer(DynamicLayer):
@@ -89,13 +102,7 @@ class TreeKVCache(DynamicCache):
 
     def __init__(self, config: PretrainedConfig, capacity: int = 1024) -> None:
         super().__init__(config=config)
-        unsupported = sorted({type(layer).__name__ for layer in self.layers if type(layer) is not DynamicLayer})
-        if unsupported:
-            raise ValueError(
-                f"{config.model_type} uses cache layers {unsupported} (sliding-window or linear attention), "
-                "which tree verification cannot roll back; use a model with full attention in every layer"
-            )
-        self.layers = [_GrowableLayer(capacity) for _ in self.layers]
+        self.layers = [_GrowableLayer(capacity) for _ in full_length_layers(config, self.layers)]
 
     def __len__(self) -> int:  # number of layers, as DynamicCache defines it
         return len(self.layers)

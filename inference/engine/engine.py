@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask
+from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.layer_attention import layer_attention
 from specheads.inference.engine.lean_forward import LeanForward, target_forward
 from specheads.inference.engine.proposer import (
     ProposalContext,
@@ -42,15 +43,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def tree_attention_mask(tree: DraftTree, prefix_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [1, 1, N, P+N]: every node sees the whole prefix and its own ancestors."""
-    n = tree.size
-    mask = torch.zeros(1, 1, n, prefix_length + n, dtype=dtype, device=device)
-    blocked = ~tree.ancestors.to(device)
-    mask[0, 0, :, prefix_length:].masked_fill_(blocked, torch.finfo(dtype).min)
-    return mask
-
-
 def model_max_context(model: PreTrainedModel) -> int | None:
     return getattr(model.config.get_text_config(), "max_position_embeddings", None)
 
@@ -71,8 +63,11 @@ def tree_forward(
     prefix = cache.seq_length
     tokens = tree.tokens.to(device)[None]
     positions = (tree.depths.to(device) + prefix)[None]
-    # A chain is exactly what the model's own causal mask expresses; only branching trees need ours.
-    mask = None if tree.is_chain else tree_attention_mask(tree, prefix, model.dtype, device)
+    # A chain is exactly what the model's own causal mask expresses; only branching trees need ours (and every
+    # forward of a model with sliding-window layers, whose full-length cache layers HF's masks do not window).
+    attention = layer_attention(model.config)
+    mask = (None if tree.is_chain and not attention.windowed
+            else batch_tree_mask([tree], [prefix], model.dtype, device, attention=attention))
     return model(
         **cache_kwargs(model, cache),
         input_ids=tokens,
@@ -102,8 +97,11 @@ def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[Draft
         return lean(tokens.to(device), positions.to(device), window, None if lone_chain else trees,
                     output_hidden_states=output_hidden_states)
     # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
-    # anything else needs ours.
-    mask = None if len(trees) == 1 and trees[0].is_chain else batch_tree_mask(trees, lengths, model.dtype, device)
+    # anything else needs ours, and so does every forward of a model with sliding-window layers.
+    attention = layer_attention(model.config)
+    lone_chain = len(trees) == 1 and trees[0].is_chain
+    mask = (None if lone_chain and not attention.windowed
+            else batch_tree_mask(trees, lengths, model.dtype, device, attention=attention))
     return model(input_ids=tokens.to(device), position_ids=positions.to(device), attention_mask=mask,
                  output_hidden_states=output_hidden_states, **cache_kwargs(model, window))
 
@@ -113,10 +111,15 @@ def prefill_forward(model: PreTrainedModel, cache: BatchKVCache, row: int, promp
     """One forward over a whole prompt [P] into the (empty) row `row`; logits only for its last position."""
     device = model_device(model)
     window = cache.window(row, 1)
-    if lean is None:
-        return model(input_ids=prompt[None].to(device), **cache_kwargs(model, window), logits_to_keep=1,
-                     output_hidden_states=output_hidden_states)
     length = cache.lengths[row]
+    if lean is None:
+        attention = layer_attention(model.config)
+        mask = None
+        if attention.windowed:  # the model's own masks would not window the cache's full-length layers
+            width = prompt.shape[0]
+            mask = causal_mask([length], width, length + width, model.dtype, device, attention)
+        return model(input_ids=prompt[None].to(device), attention_mask=mask, **cache_kwargs(model, window),
+                     logits_to_keep=1, output_hidden_states=output_hidden_states)
     positions = torch.arange(length, length + prompt.shape[0], device=device)[None]
     return lean(prompt[None].to(device), positions, window, logits_to_keep=1,
                 output_hidden_states=output_hidden_states)

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from specheads.heads.checkpoint import load_drafter
-from specheads.inference.engine.batch_cache import BatchKVCache, additive_mask
+from specheads.inference.engine.batch_cache import BatchKVCache
+from specheads.inference.engine.layer_attention import additive_mask
 from specheads.inference.engine.proposer import ProposalContext, Proposer
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult

@@ -45,13 +45,19 @@ def test_truncate_and_empty_commit(target):
     assert cache.seq_length == 2 and cache.layers[0].keys.shape[2] == 2
 
 
-def test_sliding_window_models_are_refused():
-    from transformers import MistralConfig
+def test_sliding_window_layers_keep_every_key_and_other_kinds_are_refused():
+    from transformers import LlamaConfig, MistralConfig
 
     cfg = MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    with pytest.raises(ValueError, match="sliding-window"):
-        TreeKVCache(cfg)
+    cache = TreeKVCache(cfg)  # the window is the mask's business: a rollback may need any key again
+    keys = torch.randn(1, 2, 20, 8)
+    cache.layers[0].update(keys, keys)
+    assert cache.seq_length == 20 and torch.equal(cache.layers[0].keys, keys)
+    hybrid = LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    hybrid.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="linear_attention layers, whose state a draft tree cannot branch"):
+        TreeKVCache(hybrid)
 
 
 def test_engine_rejects_models_that_ignore_tree_masks():
