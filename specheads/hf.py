@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 from typing import Any
 
 import torch
-
-from specheads.features import check_aux_layers
 
 
 @functools.cache
@@ -33,20 +30,3 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     if decoder is None or not hasattr(decoder, "layers"):
         raise ValueError(f"{type(model).__name__} has no decoder stack with `layers`; use a decoder-only causal LM")
     return decoder
-
-
-def draft_layer_config(target: torch.nn.Module, hidden_size: int, aux_layers: Any, num_layers: int, kind: str,
-                       overrides: dict[str, Any] | None = None) -> Any:
-    """The HF config of a draft head's `num_layers` decoder layers: the target's, cut to that depth (and with
-    `overrides` set), after checking the head's hidden size and aux layers fit the target."""
-    tcfg = text_config(target)
-    if tcfg.hidden_size != hidden_size:
-        raise ValueError(f"{kind} hidden_size {hidden_size} != target hidden size {tcfg.hidden_size}")
-    check_aux_layers(aux_layers, tcfg.num_hidden_layers)
-    layer_cfg = copy.deepcopy(tcfg)
-    layer_cfg.num_hidden_layers = num_layers
-    if getattr(layer_cfg, "layer_types", None):
-        layer_cfg.layer_types = layer_cfg.layer_types[:num_layers]
-    for name, value in (overrides or {}).items():
-        setattr(layer_cfg, name, value)
-    return layer_cfg

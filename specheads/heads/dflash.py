@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from specheads.draft_layers import draft_layer_classes, draft_layer_config
 from specheads.heads.fused_head import FusedHead, MaskEntries, check_fused_config, with_mask_token
-from specheads.hf import decoder_of, draft_layer_config
+from specheads.hf import decoder_of
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "dflash"
@@ -156,7 +157,8 @@ class DFlashHead(FusedHead):
         self.layer_config = layer_cfg
         decoder = decoder_of(target)
         h, n, eps = config.hidden_size, len(config.aux_layers), layer_cfg.rms_norm_eps
-        norm_cls, mlp_cls = type(decoder.norm), type(decoder.layers[0].mlp)
+        classes = draft_layer_classes(target)
+        norm_cls, mlp_cls = classes.norm, classes.mlp
         self.fc = nn.Linear(n * h, h, bias=False)
         self.hidden_norm = norm_cls(h, eps=eps)
         self.layers = nn.ModuleList(DFlashLayer(layer_cfg, norm_cls, mlp_cls) for _ in range(config.num_layers))

@@ -4,7 +4,7 @@ At position t the head reads the target's feature F_t (its last hidden state, af
 the final norm) and the embedding of token x_{t+1}, and predicts F_{t+1}; the
 target's frozen LM head turns that into a distribution over x_{t+2}:
 
-    h = fc(cat(embed(x_{t+1}), F_t)) -> decoder layer(s) of the target's architecture -> F̂_{t+1}
+    h = fc(cat(embed(x_{t+1}), F_t)) -> decoder layer(s) -> F̂_{t+1}
 
 With `aux_layers` (EAGLE-3's multi-layer features) the head also reads the target's hidden
 states after those intermediate layers: `fuse` maps cat(aux..., F_t) back to one feature. It
@@ -12,8 +12,8 @@ starts as "pass F_t through" (aux weights zero), so training begins from EAGLE-1
 add what the lower layers know about tokens further ahead. Draft steps after the first read the
 head's own predicted feature, which already lives in F's space, so they skip `fuse`.
 
-The decoder layers are built from the target's own config and classes, so any HF
-decoder-only architecture works. Embeddings and LM head are the target's, frozen
+The decoder layers are the target's own classes for Llama-family targets, else Llama layers of
+the target's sizes (`specheads.draft_layers`). Embeddings and LM head are the target's, frozen
 and not saved with the head. With a `draft_vocab` (see `draft_vocab.py`) the head's logits
 cover only those tokens; `token_ids` maps logit indices back to token ids.
 """
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from specheads.draft_layers import draft_layer_classes, draft_layer_config
 from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
-from specheads.hf import cache_kwargs, decoder_of, draft_layer_config
+from specheads.hf import cache_kwargs, decoder_of
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "eagle"
@@ -40,7 +41,7 @@ class EagleConfig:
 
     hidden_size: int  # the target's hidden size H
     vocab_size: int  # rows of the target's LM head
-    num_layers: int = 1  # decoder layers of the target's architecture in the head
+    num_layers: int = 1  # decoder layers in the head (`specheads.draft_layers`)
     init_from_target_layer: int | None = None  # copy this target layer's weights into the head's layer(s)
     draft_vocab: tuple[int, ...] | None = None  # token ids the head scores, sorted; None: the whole vocabulary
     aux_layers: tuple[int, ...] = ()  # target hidden_states indices fused with F_t (EAGLE-3: low, mid, high);
@@ -60,8 +61,8 @@ class EagleHead(nn.Module):
         super().__init__()
         layer_cfg = draft_layer_config(target, config.hidden_size, config.aux_layers, config.num_layers, KIND_NAME)
         self.config = config
-        decoder = decoder_of(target)
-        layer_cls = type(decoder.layers[0])
+        classes = draft_layer_classes(target)
+        layer_cls = classes.layer
         dtype = next(target.parameters()).dtype
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True, dtype=dtype)
         if config.aux_layers:
@@ -69,7 +70,7 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList(layer_cls(layer_cfg, layer_idx=i).to(dtype) for i in range(config.num_layers))
         if not config.first_layer_norm:
             self.layers[0].input_layernorm = nn.Identity()
-        self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
+        self.rotary_emb = classes.rotary(config=layer_cfg)
         self.layer_config = layer_cfg
         # The target's embeddings and LM head: shared, frozen, outside this module's parameters.
         self._frozen = (target.get_input_embeddings(), target.get_output_embeddings())
@@ -93,6 +94,10 @@ class EagleHead(nn.Module):
             layers = decoder_of(target).layers
             if not -len(layers) <= src < len(layers):
                 raise ValueError(f"init_from_target_layer={src} is out of range for a {len(layers)}-layer target")
+            if not draft_layer_classes(target).mirrored:
+                raise ValueError(f"init_from_target_layer copies a target layer into the head, but a "
+                                 f"{target.config.get_text_config().model_type} head has Llama layers of its own "
+                                 "(specheads.draft_layers); leave init_from_target_layer unset")
             for layer in self.layers:
                 own = layer.state_dict()
                 layer.load_state_dict({k: v for k, v in layers[src].state_dict().items() if k in own})

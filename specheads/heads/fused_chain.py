@@ -25,8 +25,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from specheads.draft_layers import draft_layer_classes, draft_layer_config
 from specheads.heads.fused_head import FusedHead, check_fused_config
-from specheads.hf import cache_kwargs, decoder_of, draft_layer_config
+from specheads.hf import cache_kwargs, decoder_of
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,13 +80,14 @@ class FusedChainHead(FusedHead):
         decoder = decoder_of(target)
         self.layer_config = layer_cfg
         h, n, eps = config.hidden_size, len(config.aux_layers), layer_cfg.rms_norm_eps
-        norm_cls = type(decoder.norm)
+        classes = draft_layer_classes(target)
+        norm_cls = classes.norm
         if config.norm_before_fc:
             self.input_norm = norm_cls(n * h, eps=eps)
         if config.fc_norm:
             self.fc_norm = nn.ModuleList(norm_cls(h, eps=eps) for _ in range(n))
         self.fc = nn.Linear(n * h, h, bias=False)
-        self.layers = nn.ModuleList(type(decoder.layers[0])(layer_cfg, layer_idx=i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(classes.layer(layer_cfg, layer_idx=i) for i in range(config.num_layers))
         first = self.layers[0]
         for name in ("q_proj", "k_proj", "v_proj"):  # the first layer reads cat(embedding, hidden): 2H
             old = getattr(first.self_attn, name)

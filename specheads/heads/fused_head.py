@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from specheads.draft_layers import draft_layer_classes, final_norm_scale
 from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
 
@@ -99,9 +100,10 @@ class FusedHead(nn.Module):
     def _add_output(self, target: nn.Module, decoder: nn.Module, layer_cfg: Any) -> None:
         """The final norm and draft LM head (starting as the target's), the rotary embedding, the shared embedding."""
         h = self.config.hidden_size
-        self.norm = type(decoder.norm)(h, eps=layer_cfg.rms_norm_eps)
+        classes = draft_layer_classes(target)
+        self.norm = classes.norm(h, eps=layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, self.config.draft_vocab_size, bias=False)
-        self.rotary_emb = type(decoder.rotary_emb)(config=layer_cfg)
+        self.rotary_emb = classes.rotary(config=layer_cfg)
         self._frozen = (target.get_input_embeddings(),)  # shared, frozen, outside this module's parameters
         draft = self.config.draft_vocab
         ids = None if draft is None else torch.tensor(draft, dtype=torch.long)
@@ -109,7 +111,8 @@ class FusedHead(nn.Module):
         with torch.no_grad():  # start from the target's own next-token head
             rows = target.get_output_embeddings().weight
             self.lm_head.weight.copy_(rows if ids is None else rows[ids.to(rows.device)])
-            self.norm.weight.copy_(decoder.norm.weight)
+            # the target's own norm class takes its weights; a Llama norm the scale the target's applies
+            self.norm.weight.copy_(decoder.norm.weight if classes.mirrored else final_norm_scale(target))
 
     def _to_target_dtype(self, target: nn.Module) -> None:
         dtype = next(target.parameters()).dtype

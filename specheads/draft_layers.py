@@ -1,0 +1,99 @@
+"""The decoder layers a draft head builds for a target: the target's own, or Llama's with the target's sizes.
+
+A head of the Llama family's targets (Llama, Qwen2, Qwen3, Mistral) copies the target's decoder layer, norm and
+rotary embedding classes, so its layers are the target's own maths at one or two layers' depth. Other families'
+layers do not fit a head: Phi-3 fuses q/k/v, OLMo 2 and EXAONE 4 put their norms after attention, Gemma's rotary
+embedding wants a layer type and its norms scale by 1 + w, gpt-oss has attention sinks and a mixture of experts.
+A head for those gets Llama layers of the target's sizes (hidden, heads, kv heads, head dim, MLP width, activation,
+rotary base), as the EAGLE-3 drafters published for them are, and as vLLM and SGLang load them. Checkpoints and
+exports say which: the layer config they write is this module's.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from specheads.features import check_aux_layers
+from specheads.hf import decoder_of, text_config
+
+MIRRORED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model types whose decoder layers a head copies
+
+
+def mirrors_target(text_config: PretrainedConfig) -> bool:
+    return text_config.model_type in MIRRORED_FAMILIES
+
+
+def source_layer_config(text_config: PretrainedConfig) -> PretrainedConfig:
+    """The config a head's layers are cut from: the target's text config, or a Llama config of its sizes."""
+    if mirrors_target(text_config):
+        return copy.deepcopy(text_config)
+    cfg = text_config
+    heads = cfg.num_attention_heads
+    rope = dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    if "full_attention" in rope:  # per layer type (Gemma 3): the global layers' rotary base
+        rope = dict(rope["full_attention"])
+    rope.pop("partial_rotary_factor", None)  # the head rotates whole heads
+    llama = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_attention_heads=heads, num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or 1e-6,
+        hidden_act=getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu",
+        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope, attention_bias=False,
+        mlp_bias=False, tie_word_embeddings=False,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+    )
+    llama._attn_implementation = "sdpa"  # Llama layers have it, whatever the target needs (eager for sinks)
+    return llama
+
+
+def draft_layer_config(target: nn.Module, hidden_size: int, aux_layers: Any, num_layers: int, kind: str,
+                       overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The HF config of a draft head's `num_layers` decoder layers (`source_layer_config`, cut to that depth and with
+    `overrides` set), after checking the head's hidden size and aux layers fit the target."""
+    tcfg = text_config(target)
+    if tcfg.hidden_size != hidden_size:
+        raise ValueError(f"{kind} hidden_size {hidden_size} != target hidden size {tcfg.hidden_size}")
+    check_aux_layers(aux_layers, tcfg.num_hidden_layers)
+    layer_cfg = source_layer_config(tcfg)
+    layer_cfg.num_hidden_layers = num_layers
+    if getattr(layer_cfg, "layer_types", None):
+        layer_cfg.layer_types = layer_cfg.layer_types[:num_layers]
+    for name, value in (overrides or {}).items():
+        setattr(layer_cfg, name, value)
+    return layer_cfg
+
+
+@dataclass(frozen=True)
+class DraftLayerClasses:
+    layer: type  # the decoder layer: (config, layer_idx=i)
+    norm: type  # RMSNorm: (hidden, eps=)
+    rotary: type  # rotary embedding: (config=), called (x, position_ids=)
+    mlp: type  # the layer's MLP: (config)
+    mirrored: bool  # the target's own classes (their weights and norms follow the target's conventions)
+
+
+def draft_layer_classes(target: nn.Module) -> DraftLayerClasses:
+    if not mirrors_target(target.config.get_text_config()):
+        return DraftLayerClasses(LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, LlamaMLP, mirrored=False)
+    decoder = decoder_of(target)
+    return DraftLayerClasses(type(decoder.layers[0]), type(decoder.norm), type(decoder.rotary_emb),
+                             type(decoder.layers[0].mlp), mirrored=True)
+
+
+@torch.no_grad()
+def final_norm_scale(target: nn.Module) -> torch.Tensor:  # [H]
+    """What the target's final norm multiplies a normalised row by, whatever its convention (w, or 1 + w in Gemma):
+    its output for a row of ones, whose RMS is 1 (up to eps)."""
+    norm = decoder_of(target).norm
+    h = target.config.get_text_config().hidden_size
+    weight = next(norm.parameters())
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 0.0)
+    return norm(torch.ones(1, h, dtype=weight.dtype, device=weight.device))[0] * (1.0 + eps) ** 0.5
