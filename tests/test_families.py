@@ -4,6 +4,8 @@ families whose layers do not fit a head get Llama layers of the target's sizes."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -13,7 +15,8 @@ from specheads.hf import decoder_of
 from specheads.inference.engine.engine import Engine
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.proposers.draft_model import DraftModelProposer
-from tests.conftest import perturbed_copy, repetitive_prompt, tiny_model
+from specheads.train.objective import OBJECTIVES
+from tests.conftest import perturbed_copy, repetitive_prompt, tiny_config, tiny_model
 from tests.drafters import DRAFTERS, proposer_for, save_case
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral-window", "gemma2", "gemma3_text", "gpt_oss", "phi3",
@@ -65,3 +68,52 @@ def test_heads_copy_llama_family_layers_and_build_llama_layers_for_the_others(fa
     row = torch.randn(3, text.hidden_size)
     normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + text.rms_norm_eps)
     torch.testing.assert_close(normed * final_norm_scale(model), decoder_of(model).norm(row), atol=1e-4, rtol=1e-4)
+
+
+def test_the_targets_table_is_the_suites_matrix():
+    lines = (Path(__file__).parents[1] / "docs" / "targets.md").read_text().splitlines()
+    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| `")]
+    documented = {cells[0].strip().split("`")[1] for cells in rows}
+    assert documented == {tiny_config(arch).model_type for arch in FAMILIES}
+    assert all(cells[-1].strip() == "yes" for cells in rows)
+    assert {cells[0].strip().split("`")[1] for cells in rows if cells[2].strip() == "the target's"} == {
+        tiny_config(arch).model_type for arch in MIRRORED}
+    header = next(line for line in lines if line.startswith("| family")).split("|")
+    assert header[-2].split(":")[1].replace(" ", "").split(",") == ["n-gram", "draftmodel", *DRAFTERS]
+    assert header[-3].split(":")[1].replace(" ", "").split(",") == list(RECIPES)
+    assert all(cells[-2].strip() == "yes" for cells in rows)
+
+
+RECIPES = {"eagle": {}, "eagle3": {"aux_layers": (1, 2, 3)}, "peagle": {"aux_layers": (1, 2, 3)},
+           "dflash": {"aux_layers": (1, 2, 3)}, "medusa": {}}
+
+
+def answers(n: int = 4, length: int = 24) -> dict[str, torch.Tensor]:
+    """A batch of sequences counting up by 3 after a random start (a learnable pattern), loss on all but the
+    first 4 tokens."""
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(3, 60, (n, 1), generator=g)
+    ids = (starts + 3 * torch.arange(length)) % 93 + 3
+    loss_mask = torch.ones_like(ids)
+    loss_mask[:, :4] = 0
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_trains_on_every_family(family, recipe):
+    # the recipe's own build and step loss (online features from the target), a few AdamW steps on one batch
+    arch, model, _ = family
+    objective = OBJECTIVES.get(recipe)
+    settings = objective.settings(**RECIPES[recipe])
+    torch.manual_seed(0)
+    head = objective.build(settings, model, list(range(3, 90)))
+    optimizer = torch.optim.AdamW(objective.param_groups(head, 3e-3, settings), lr=3e-3)
+    batch, losses = answers(), []
+    for _ in range(8):
+        loss, stats = objective.step_loss(head, model, batch, settings)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+        assert "top1" in stats
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], (arch, recipe, losses)
