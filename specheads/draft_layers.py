@@ -5,8 +5,8 @@ rotary embedding classes, so its layers are the target's own maths at one or two
 layers do not fit a head: Phi-3 fuses q/k/v, OLMo 2 and EXAONE 4 put their norms after attention, Gemma's rotary
 embedding wants a layer type and its norms scale by 1 + w, gpt-oss has attention sinks and a mixture of experts.
 A head for those gets Llama layers of the target's sizes (hidden, heads, kv heads, head dim, MLP width, activation,
-rotary base), as the EAGLE-3 drafters published for them are, and as vLLM and SGLang load them. Checkpoints and
-exports say which: the layer config they write is this module's.
+rotary base), the layout of vLLM's and SGLang's EAGLE-3 drafter models. Checkpoints and exports say which: the
+layer config they write is this module's. Every head reads the target's embedding rows plainly (`embedding_rows`).
 """
 
 from __future__ import annotations
@@ -86,6 +86,13 @@ def draft_layer_classes(target: nn.Module) -> DraftLayerClasses:
     decoder = decoder_of(target)
     return DraftLayerClasses(type(decoder.layers[0]), type(decoder.norm), type(decoder.rotary_emb),
                              type(decoder.layers[0].mlp), mirrored=True)
+
+
+def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+    """The target's embedding rows for `ids`, looked up plainly: what speculators and vLLM hand a drafter. Gemma 3's
+    embedding module scales its rows by sqrt(H) inside (Gemma 2 and Granite scale outside theirs); a drafter that
+    called the module would read other inputs than the same drafter exported."""
+    return nn.functional.embedding(ids, embedding.weight)
 
 
 @torch.no_grad()

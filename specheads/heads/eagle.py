@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specheads.draft_layers import draft_layer_classes, draft_layer_config
+from specheads.draft_layers import draft_layer_classes, draft_layer_config, embedding_rows
 from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
 from specheads.hf import cache_kwargs, decoder_of
@@ -102,9 +102,8 @@ class EagleHead(nn.Module):
                 own = layer.state_dict()
                 layer.load_state_dict({k: v for k, v in layers[src].state_dict().items() if k in own})
 
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self._frozen[0]
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]: the target's rows, unscaled
+        return embedding_rows(self._frozen[0], ids)
 
     @property
     def lm_head(self) -> nn.Module:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from specheads.draft_layers import draft_layer_classes, final_norm_scale
+from specheads.draft_layers import draft_layer_classes, embedding_rows, final_norm_scale
 from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
 
@@ -120,9 +120,8 @@ class FusedHead(nn.Module):
             if name != "rotary_emb":  # its inverse frequencies stay fp32, as in the target
                 module.to(dtype)
 
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self._frozen[0]
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]: the target's rows, unscaled
+        return embedding_rows(self._frozen[0], ids)
 
     @property
     def feature_width(self) -> int:  # D: the aux layers and the last layer, the feature rows every drafter reads

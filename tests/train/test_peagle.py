@@ -80,7 +80,7 @@ def test_the_loss_trains_every_depth_and_the_mask_hidden(target, head):
     assert math.isfinite(float(loss)) and {"top1", "top1_depth1", "top1_depth3", "loss_ce"} <= stats.keys()
     loss.backward()
     assert head.mask_hidden.grad is not None and float(head.mask_hidden.grad.abs().sum()) > 0
-    assert head.embed_tokens.weight.grad is None  # the target's embedding stays frozen
+    assert target.get_input_embeddings().weight.grad is None  # the target's embedding stays frozen
 
 
 def test_eval_counts_every_anchor_at_every_depth(target, head):
