@@ -137,20 +137,26 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
         assert res.output_ids == plain.output_ids and res.stats.drafted > 0
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
-def test_heads_with_llama_layers_export_them_and_name_their_own_verifier(tmp_path, arch):
-    # Heads of families whose layers do not fit a head have Llama layers (specheads.draft_layers): the export says
-    # so, names the target's own architecture as the verifier, and speculators drafts the same logits from it.
+def export_with_llama_layers(arch: str, make_head, tmp_path):
+    """Heads `make_head(target)` for a tiny `arch` target whose layers do not fit a head, so they have Llama layers
+    (specheads.draft_layers), exported to speculators: the export says so and names the target's own architecture
+    as the verifier. Returns (target, heads, export folder)."""
     target = tiny_model(arch)
     target.save_pretrained(tmp_path / "target")
-    head = ours(target)
+    head = make_head(target)
     save_drafter(tmp_path / "heads", head, TargetInfo.from_model(target, str(tmp_path / "target")))
     export(tmp_path / "heads", "speculators", tmp_path / "spec")
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert config["transformer_layer_config"]["model_type"] == "llama"
     assert config["speculators_config"]["verifier"]["architectures"] == [type(target).__name__]
+    return target, head, tmp_path / "spec"
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
+def test_heads_with_llama_layers_export_them_and_name_their_own_verifier(tmp_path, arch):
+    target, head, folder = export_with_llama_layers(arch, ours, tmp_path)
     tokens, feats = inputs(target)
     with torch.no_grad():
         want = head.draft_logits(head(tokens, feats, torch.arange(tokens.shape[1])[None]))
     # the peer's eager attention against the head's SDPA: equal up to fp32 rounding of two kernels
-    torch.testing.assert_close(peer_logits(peer(tmp_path / "spec"), tokens, feats), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(peer_logits(peer(folder), tokens, feats), want, rtol=1e-4, atol=1e-4)

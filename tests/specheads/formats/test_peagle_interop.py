@@ -14,9 +14,16 @@ from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
 from specheads.inference import Engine
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.train.peagle import block_forward
-from tests.conftest import repetitive_prompt, tiny_model
+from tests.conftest import repetitive_prompt
 from tests.drafters import perturbed, proposer_for
-from tests.specheads.formats.test_eagle3_interop import AUX, VOCAB, inputs, save_peer, target_dir  # noqa: F401
+from tests.specheads.formats.test_eagle3_interop import (  # noqa: F401
+    AUX,
+    VOCAB,
+    export_with_llama_layers,
+    inputs,
+    save_peer,
+    target_dir,
+)
 from tests.specheads.formats.test_eagle3_interop import peer as eagle3_peer
 
 speculators = pytest.importorskip("speculators", reason="install with: pip install --no-deps speculators==0.9.0 "
@@ -132,16 +139,9 @@ def test_an_export_without_a_mask_token_is_refused_by_name(target_dir, tmp_path)
 
 
 def test_an_export_of_heads_with_llama_layers_loads_in_speculators(tmp_path):
-    # a Gemma 3 target: the heads' layers are Llama's (specheads.draft_layers), and the export says so
-    target = tiny_model("gemma3_text")
-    target.save_pretrained(tmp_path / "target")
-    head = ours(target)
-    save_drafter(tmp_path / "heads", head, TargetInfo.from_model(target, str(tmp_path / "target")))
-    export(tmp_path / "heads", "speculators", tmp_path / "spec")
-    config = json.loads((tmp_path / "spec" / "config.json").read_text())
-    assert config["transformer_layer_config"]["model_type"] == "llama"
-    assert config["speculators_config"]["verifier"]["architectures"] == [type(target).__name__]
+    # a Gemma 3 target: the layers are Llama's (specheads.draft_layers), and the export says so
+    target, head, folder = export_with_llama_layers("gemma3_text", ours, tmp_path)
     tokens, feats = inputs(target, length=12)
-    theirs, want = both_logits(peer(tmp_path / "spec"), head, tokens, feats)
+    theirs, want = both_logits(peer(folder), head, tokens, feats)
     # the peer's eager attention against the head's SDPA: equal up to fp32 rounding of two kernels
     torch.testing.assert_close(theirs, want, rtol=1e-4, atol=1e-4)
