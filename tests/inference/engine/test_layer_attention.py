@@ -1,8 +1,11 @@
 """Sliding-window and hybrid targets (Mistral with a window, Gemma 2, Gemma 3, gpt-oss, EXAONE 4) decode exactly: the
 engine's full-length caches with the window applied in the mask, per layer type, give the tokens the model's own
-forward gives, drafts accepted or not, one row or several; and layer kinds a tree cannot branch are refused."""
+forward gives, drafts accepted or not, one row or several, greedy or sampled; and layer kinds a tree cannot branch
+are refused."""
 
 from __future__ import annotations
+
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -16,6 +19,15 @@ from specheads.inference.engine.tree import DraftTree
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.proposers.draft_model import DraftModelProposer
 from tests.conftest import WINDOW, perturbed_copy, repetitive_prompt, tiny_config, tiny_model
+from tests.drafters import (
+    COUNTING_PROMPT,
+    PARAMS,
+    SAMPLES,
+    _verify_keeping_a_rejected_draft,
+    chi_square_p,
+    exact_two_token_law,
+    first_two_tokens,
+)
 
 WINDOWED = ["mistral-window", "gemma2", "gemma3_text", "gpt_oss", "exaone4"]
 PROMPT = repetitive_prompt(24, seed=1)
@@ -102,3 +114,17 @@ def test_without_the_window_in_the_mask_rows_part_from_the_models_own(windowed, 
     arch, model, _ = windowed
     monkeypatch.setattr(engine_mod, "layer_attention", lambda config: FULL_ONLY)
     assert decode_rows(model) != [own_greedy(model, prompt, new) for prompt, new in ROWS], arch
+
+
+def test_sampling_windowed_rows_keeps_the_targets_law(windowed):
+    # Rows sampled together with draft-model trees past the window: the first two tokens follow the target's exact
+    # law (from its own forward); a verifier that keeps a rejected draft fails the same test (the sample has power).
+    arch, model, _ = windowed
+    # a draft far enough from the target that rejections are common (what the negative control needs)
+    engine = Engine(model, DraftModelProposer(perturbed_copy(model, 0.15)), max_rows=3)
+    law = exact_two_token_law(model, COUNTING_PROMPT, PARAMS)
+    counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
+    assert accepted > SAMPLES // 10 and chi_square_p(counts, law) > 1e-3, (arch, accepted, counts)
+    with patch.object(engine_mod, "verify", _verify_keeping_a_rejected_draft):
+        broken, _ = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
+    assert chi_square_p(broken, law) < 1e-6, (arch, broken)
