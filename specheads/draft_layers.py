@@ -21,13 +21,11 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specheads.features import check_aux_layers
-from specheads.hf import decoder_of, text_config
-
-MIRRORED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # model types whose decoder layers a head copies
+from specheads.hf import LLAMA_LAYOUT_FAMILIES, decoder_of, text_config
 
 
 def mirrors_target(text_config: PretrainedConfig) -> bool:
-    return text_config.model_type in MIRRORED_FAMILIES
+    return text_config.model_type in LLAMA_LAYOUT_FAMILIES
 
 
 def source_layer_config(text_config: PretrainedConfig) -> PretrainedConfig:
@@ -62,11 +60,17 @@ def draft_layer_config(target: nn.Module, hidden_size: int, aux_layers: Any, num
     if tcfg.hidden_size != hidden_size:
         raise ValueError(f"{kind} hidden_size {hidden_size} != target hidden size {tcfg.hidden_size}")
     check_aux_layers(aux_layers, tcfg.num_hidden_layers)
-    layer_cfg = source_layer_config(tcfg)
+    return head_layer_config(tcfg, num_layers, overrides or {})
+
+
+def head_layer_config(text_config: PretrainedConfig, num_layers: int, overrides: dict[str, Any]) -> PretrainedConfig:
+    """`source_layer_config`, cut to a head's `num_layers` layers and with the head's own layer settings: what a head
+    builds its layers from and what its exports write."""
+    layer_cfg = source_layer_config(text_config)
     layer_cfg.num_hidden_layers = num_layers
     if getattr(layer_cfg, "layer_types", None):
         layer_cfg.layer_types = layer_cfg.layer_types[:num_layers]
-    for name, value in (overrides or {}).items():
+    for name, value in overrides.items():
         setattr(layer_cfg, name, value)
     return layer_cfg
 

@@ -8,6 +8,10 @@ from typing import Any
 
 import torch
 
+# Model types whose decoder layers are Llama's (attention with q/k/v/o projections and optional q/k norms, a gated
+# MLP, two RMSNorms, one rotary embedding): the lean forward runs them, and draft heads copy their layers.
+LLAMA_LAYOUT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
 
 @functools.cache
 def _cache_argument(module_class: type) -> str:

@@ -68,8 +68,7 @@ def soft_cross_entropy(
     target's entropy, so the same gradient q − p), fused like `token_divergence` rather than through autograd's
     softmax, log-softmax and product over the vocabulary. Top-1 agreement comes from the same blocks: an argmax
     over bf16 logits of the whole batch costs more than the loss itself on a CPU."""
-    values, agree = _FusedDivergence.apply(target_logits.detach(), draft_logits, "cross_entropy", 1.0, 0.5, True)
-    return values, agree
+    return _FusedDivergence.apply(target_logits.detach(), draft_logits, "cross_entropy", 1.0, 0.5, True)
 
 
 _BLOCK_ELEMENTS = 1 << 19  # rows per block x V: 2 MiB of fp32, so a block's passes stay in cache

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from specheads.inference.engine.cache import full_length_layers, grown
+from specheads.inference.engine.cache import check_full_length_layers, grown
 from specheads.inference.engine.layer_attention import FULL_ONLY, LayerAttention, additive_mask
 from specheads.inference.engine.tree import DraftTree
 
@@ -98,7 +98,8 @@ class BatchKVCache(DynamicCache):
 
     def __init__(self, config: PretrainedConfig, rows: int, capacity: int = 1024, grow_rows: bool = False) -> None:
         super().__init__(config=config)
-        self.layers = [_RowsLayer(rows, capacity, self) for _ in full_length_layers(config, self.layers)]
+        check_full_length_layers(config, self.layers)
+        self.layers = [_RowsLayer(rows, capacity, self) for _ in self.layers]
         self.rows = rows
         self.grows = grow_rows
         self.lengths: list[int] = []  # committed entries of each occupied row; rows 0..len-1 are occupied
@@ -209,5 +210,3 @@ def _new_entries_visible(trees: list[DraftTree] | None, width: int,
         new[b, :n, :n] = tree.ancestors.cpu()
         real[b, :n] = True
     return new, real
-
-

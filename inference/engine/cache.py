@@ -27,16 +27,16 @@ def grown(buf: torch.Tensor, needed: int, keep: int) -> torch.Tensor:
     return new
 
 
-def full_length_layers(config: PretrainedConfig, layers: list) -> list:
-    """`layers` (a DynamicCache's, one per model layer), checked to be ones the engine's full-length layers replace:
-    full attention, or a sliding window (kept whole, the window applied in the mask: `layer_attention.py`)."""
+def check_full_length_layers(config: PretrainedConfig, layers: list) -> None:
+    """Fail by name unless `layers` (a DynamicCache's, one per model layer) are ones the engine's full-length layers
+    can replace: full attention, or a sliding window (kept whole, the window applied in the mask:
+    `layer_attention.py`)."""
     layer_attention(config)  # other layer types are refused by name
     unsupported = sorted({type(layer).__name__ for layer in layers
                           if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
     if unsupported:
         raise ValueError(f"{config.get_text_config().model_type} uses cache layers {unsupported}, which tree "
                          "verification cannot roll back; use a model with full or sliding-window attention")
-    return layers
 
 
 class _GrowableLayer(DynamicLayer):
@@ -102,7 +102,8 @@ class TreeKVCache(DynamicCache):
 
     def __init__(self, config: PretrainedConfig, capacity: int = 1024) -> None:
         super().__init__(config=config)
-        self.layers = [_GrowableLayer(capacity) for _ in full_length_layers(config, self.layers)]
+        check_full_length_layers(config, self.layers)
+        self.layers = [_GrowableLayer(capacity) for _ in self.layers]
 
     def __len__(self) -> int:  # number of layers, as DynamicCache defines it
         return len(self.layers)

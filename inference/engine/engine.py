@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
-from specheads.inference.engine.layer_attention import layer_attention
+from specheads.inference.engine.layer_attention import LayerAttention, layer_attention
 from specheads.inference.engine.lean_forward import LeanForward, target_forward
 from specheads.inference.engine.proposer import (
     ProposalContext,
@@ -78,10 +78,12 @@ def tree_forward(
 
 
 def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[DraftTree], first_row: int = 0, *,
-                  output_hidden_states: bool = False, lean: LeanForward | None = None):
+                  output_hidden_states: bool = False, lean: LeanForward | None = None,
+                  attention: LayerAttention | None = None):
     """One forward over rows first_row .. first_row + len(trees) - 1 of `cache`, row b's input `trees[b]` padded to the
     widest tree (positions = the row's length + depth); nothing is committed. With `lean`, that forward runs it
-    (`lean_forward.py`) instead of the model's own."""
+    (`lean_forward.py`) instead of the model's own. `attention`: the model's layer attention, when the caller has
+    it (else read from its config)."""
     device = model_device(model)
     lengths = cache.lengths[first_row : first_row + len(trees)]
     width = max(t.size for t in trees)
@@ -98,7 +100,7 @@ def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[Draft
                     output_hidden_states=output_hidden_states)
     # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
     # anything else needs ours, and so does every forward of a model with sliding-window layers.
-    attention = layer_attention(model.config)
+    attention = attention or layer_attention(model.config)
     lone_chain = len(trees) == 1 and trees[0].is_chain
     mask = (None if lone_chain and not attention.windowed
             else batch_tree_mask(trees, lengths, model.dtype, device, attention=attention))
@@ -107,13 +109,14 @@ def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[Draft
 
 
 def prefill_forward(model: PreTrainedModel, cache: BatchKVCache, row: int, prompt: torch.Tensor, *,
-                    output_hidden_states: bool = False, lean: LeanForward | None = None):
+                    output_hidden_states: bool = False, lean: LeanForward | None = None,
+                    attention: LayerAttention | None = None):
     """One forward over a whole prompt [P] into the (empty) row `row`; logits only for its last position."""
     device = model_device(model)
     window = cache.window(row, 1)
     length = cache.lengths[row]
     if lean is None:
-        attention = layer_attention(model.config)
+        attention = attention or layer_attention(model.config)
         mask = None
         if attention.windowed:  # the model's own masks would not window the cache's full-length layers
             width = prompt.shape[0]
@@ -244,6 +247,7 @@ class Engine:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.lean = target_forward(model, step, compile)
+        self.attention = layer_attention(model.config)  # read once: every forward's masks follow it
         self.model = model.eval()
         self.proposer = proposer
         self.device = model_device(model)
@@ -367,7 +371,8 @@ class Engine:
         seq.row = cache.add_row()
         prompt = seq.tokens[: seq.n_prompt]
         needs_hidden = bool(seq.proposer.needs_target_hidden)
-        out = prefill_forward(self.model, cache, seq.row, prompt, output_hidden_states=needs_hidden, lean=self.lean)
+        out = prefill_forward(self.model, cache, seq.row, prompt, output_hidden_states=needs_hidden, lean=self.lean,
+                              attention=self.attention)
         hidden = out.hidden_states if needs_hidden else None
         try:
             seq.proposer.start(seq.context(), tuple(h[:, :-1] for h in hidden) if hidden and seq.n_prompt > 1 else None)
@@ -389,7 +394,7 @@ class Engine:
         assert [s.row for s in seqs] == list(range(first, first + len(seqs))), "running rows must be consecutive"
         needs_hidden = any(s.proposer.needs_target_hidden for s in seqs)
         out = batch_forward(self.model, cache, [s.tree for s in seqs], first, output_hidden_states=needs_hidden,
-                            lean=self.lean)
+                            lean=self.lean, attention=self.attention)
         for b, seq in enumerate(seqs):
             n = seq.tree.size
             seq.hidden = tuple(h[b : b + 1, :n] for h in out.hidden_states) if needs_hidden else None

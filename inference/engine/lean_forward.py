@@ -43,7 +43,7 @@ from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
 from specheads.gemm_layout import linear_layout, set_linear_layout
-from specheads.hf import decoder_of, text_config
+from specheads.hf import LLAMA_LAYOUT_FAMILIES, decoder_of, text_config
 from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask, committed_then_new_mask
 from specheads.inference.engine.tree import DraftTree
 
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # Families whose decoder layer is exactly: input norm -> attention (q/k/v/o projections, optional per-head q/k norms,
 # RoPE, full causal attention scaled by head_dim^-0.5) -> residual -> post-attention norm -> gated MLP -> residual.
-LEAN_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+LEAN_MODEL_TYPES = LLAMA_LAYOUT_FAMILIES
 SPAN_STEP = 64  # key slots attended are rounded up to a multiple of this (masked), so shapes change rarely
 STEPS = ("auto", "lean", "hf")
 

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specheads.draft_layers import source_layer_config
+from specheads.draft_layers import head_layer_config
 from specheads.formats.engines import FORMATS, HF_FORMAT
 from specheads.heads.checkpoint import Checkpoint, TargetInfo
 from specheads.registry import Registry
@@ -170,20 +170,15 @@ def write_folder(folder: Path, config: Mapping[str, Any], state: Mapping[str, to
 
 
 def layer_config_dict(target_config: Any, num_layers: int, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The HF config of a draft head's layers as a dict (`draft_layers.source_layer_config`: the target's, or Llama's
-    of its sizes), cut to the head's depth, with the head's own layer settings."""
-    source = source_layer_config(target_config)
-    data = {k: v for k, v in source.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
-    data["num_hidden_layers"] = num_layers
-    if data.get("layer_types"):
-        data["layer_types"] = data["layer_types"][:num_layers]
-    data.update(overrides)
-    return data
+    """`layer_config` as the dict an export writes."""
+    data = layer_config(target_config, num_layers, overrides).to_dict()
+    return {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
 
 
 def layer_config(target_config: Any, num_layers: int, overrides: Mapping[str, Any]) -> Any:
-    """`layer_config_dict` as a config object (of the target's class, or LlamaConfig)."""
-    return type(source_layer_config(target_config))(**layer_config_dict(target_config, num_layers, overrides))
+    """The HF config of a draft head's layers (`draft_layers.head_layer_config`: the target's, or Llama's of its
+    sizes, cut to the head's depth, with the head's own layer settings)."""
+    return head_layer_config(target_config, num_layers, dict(overrides))
 
 
 def foreign_target(name: Any, hidden_size: int, vocab_size: int, model_type: Any = "") -> TargetInfo:

@@ -162,7 +162,7 @@ class DFlashHead(FusedHead):
         self.fc = nn.Linear(n * h, h, bias=False)
         self.hidden_norm = norm_cls(h, eps=eps)
         self.layers = nn.ModuleList(DFlashLayer(layer_cfg, norm_cls, mlp_cls) for _ in range(config.num_layers))
-        self._add_output(target, decoder, layer_cfg)
+        self._add_output(target, decoder, layer_cfg, classes)
         self._to_target_dtype(target)
 
     @property

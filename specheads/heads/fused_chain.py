@@ -93,7 +93,7 @@ class FusedChainHead(FusedHead):
             old = getattr(first.self_attn, name)
             setattr(first.self_attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
         first.hidden_norm = norm_cls(h, eps=eps)
-        self._add_output(target, decoder, layer_cfg)
+        self._add_output(target, decoder, layer_cfg, classes)
         self._to_target_dtype(target)
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., H]: fc over the aux states

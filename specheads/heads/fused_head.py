@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from specheads.draft_layers import draft_layer_classes, embedding_rows, final_norm_scale
+from specheads.draft_layers import DraftLayerClasses, embedding_rows, final_norm_scale
 from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
 
@@ -97,10 +97,9 @@ class FusedHead(nn.Module):
 
     config: Any
 
-    def _add_output(self, target: nn.Module, decoder: nn.Module, layer_cfg: Any) -> None:
+    def _add_output(self, target: nn.Module, decoder: nn.Module, layer_cfg: Any, classes: DraftLayerClasses) -> None:
         """The final norm and draft LM head (starting as the target's), the rotary embedding, the shared embedding."""
         h = self.config.hidden_size
-        classes = draft_layer_classes(target)
         self.norm = classes.norm(h, eps=layer_cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, self.config.draft_vocab_size, bias=False)
         self.rotary_emb = classes.rotary(config=layer_cfg)
