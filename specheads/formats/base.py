@@ -39,6 +39,9 @@ class ExportContext:
     # drafter's block). A block drafter's format refuses more than its block (`speculators.block_speculative_tokens`).
     speculative_tokens: int | None = None
     target_path: str | None = None  # the target's local folder, for formats that carry some of its weights
+    # The target's own model classes, from its top-level config: an image-text target's (Gemma 3's
+    # Gemma3ForConditionalGeneration), which its text config does not name. The engines load the verifier as these.
+    verifier_architectures: tuple[str, ...] = ()
 
     def target_lm_head(self) -> torch.Tensor:  # [V, H]: the target's output embedding, read from its files
         return _target_weights(self._need_path())[1]
@@ -169,10 +172,20 @@ def write_folder(folder: Path, config: Mapping[str, Any], state: Mapping[str, to
     return ["config.json", "model.safetensors"]
 
 
+# Layer types the engines build as Llama's: speculators builds draft layers of Llama's and Qwen3's types only
+# (speculators/models/eagle3/model_definitions.py, model_classes), SGLang Llama's. A Mistral layer is a Llama layer:
+# its window is a mask setting, and a head attends over its whole prefix (its masks are causal, never windowed).
+WRITTEN_AS_LLAMA = ("mistral",)
+
+
 def layer_config_dict(target_config: Any, num_layers: int, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """`layer_config` as the dict an export writes."""
+    """`layer_config` as the dict an export writes (a Mistral layer's as the Llama layer it is)."""
     data = layer_config(target_config, num_layers, overrides).to_dict()
-    return {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
+    data = {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
+    if data["model_type"] in WRITTEN_AS_LLAMA:
+        data.pop("sliding_window", None)
+        data |= {"model_type": "llama", "attention_bias": False, "mlp_bias": False}
+    return data
 
 
 def layer_config(target_config: Any, num_layers: int, overrides: Mapping[str, Any]) -> Any:
@@ -187,8 +200,10 @@ def foreign_target(name: Any, hidden_size: int, vocab_size: int, model_type: Any
                       vocab_size=int(vocab_size), num_layers=None)
 
 
-def layer_shapes(prefix: str, lc: Any, *, input_width: int, input_norm: bool = True) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of one Llama-style decoder layer whose q/k/v read `input_width` columns."""
+def layer_shapes(prefix: str, lc: Any, *, input_width: int, input_norm: bool = True,
+                 qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of one Llama-style decoder layer whose q/k/v read `input_width` columns (with per-head q/k
+    norms, Qwen3's, where `qk_norm`)."""
     h = lc.hidden_size
     hd = getattr(lc, "head_dim", None) or h // lc.num_attention_heads
     q, kv, inter = lc.num_attention_heads * hd, lc.num_key_value_heads * hd, lc.intermediate_size
@@ -199,4 +214,6 @@ def layer_shapes(prefix: str, lc: Any, *, input_width: int, input_norm: bool = T
               f"{prefix}mlp.down_proj.weight": (h, inter), f"{prefix}post_attention_layernorm.weight": (h,)}
     if input_norm:
         shapes[f"{prefix}input_layernorm.weight"] = (h,)
+    if qk_norm:
+        shapes |= {f"{prefix}self_attn.q_norm.weight": (hd,), f"{prefix}self_attn.k_norm.weight": (hd,)}
     return shapes

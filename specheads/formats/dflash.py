@@ -33,6 +33,7 @@ from specheads.formats.speculators import (
     SPECULATORS_VERSION,
     block_speculative_tokens,
     draft_vocabulary_from_state,
+    speculators_block,
     vocab_mappings,
 )
 from specheads.heads.checkpoint import Checkpoint
@@ -44,12 +45,10 @@ ARCHITECTURE = "DFlashSpeculator"
 
 def speculators_names(cfg: DFlashConfig, lc: Any) -> dict[str, tuple[int, ...]]:
     h, n = cfg.hidden_size, len(cfg.aux_layers)
-    hd = getattr(lc, "head_dim", None) or h // lc.num_attention_heads
     names = {"fc.weight": (h, n * h), "hidden_norm.weight": (h,), "norm.weight": (h,),
              "lm_head.weight": (cfg.draft_vocab_size, h), "embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_layers):
-        names |= layer_shapes(f"layers.{i}.", lc, input_width=h)
-        names |= {f"layers.{i}.self_attn.q_norm.weight": (hd,), f"layers.{i}.self_attn.k_norm.weight": (hd,)}
+        names |= layer_shapes(f"layers.{i}.", lc, input_width=h, qk_norm=True)
     if cfg.draft_vocab is not None:
         names |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     return names
@@ -65,15 +64,11 @@ def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> lis
         "architectures": [ARCHITECTURE],
         "speculators_model_type": KIND_NAME,
         "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": KIND_NAME,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": drafted,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": ctx.verifier,
-                         "architectures": list(getattr(ctx.target_config, "architectures", None) or [])},
-        },
-        "transformer_layer_config": layer_config_dict(ctx.target_config, cfg.num_layers, cfg.layer),
+        "speculators_config": speculators_block(KIND_NAME, drafted, ctx),
+        # The bias DFlashAttention builds, named even where the target's config names none (Qwen2's): speculators'
+        # Qwen3DFlashDecoderLayer reads it whatever the layer type.
+        "transformer_layer_config": {**layer_config_dict(ctx.target_config, cfg.num_layers, cfg.layer),
+                                     "attention_bias": bool(getattr(lc, "attention_bias", False))},
         "draft_vocab_size": cfg.draft_vocab_size,
         "block_size": cfg.block_size,
         "target_hidden_size": None,

@@ -83,7 +83,9 @@ def _from_sglang(name: str) -> str:
 def sglang_names(cfg: Eagle3Config, lc: Any) -> dict[str, tuple[int, ...]]:
     """Tensors SGLang's LlamaForCausalLMEagle3 loads (python/sglang/srt/models/llama_eagle3.py: LlamaModel.__init__,
     LlamaForCausalLMEagle3.load_weights, which drops unknown names silently and reads d2t, skipping t2d)."""
-    names = {_to_sglang(k): v for k, v in chain_names(cfg, lc).items()}
+    # SGLang builds Llama layers whatever the layer type: a Qwen3 layer's q/k norms are no names of it
+    names = {_to_sglang(k): v for k, v in chain_names(cfg, lc).items() if not k.endswith(("q_norm.weight",
+                                                                                           "k_norm.weight"))}
     del names["embed_tokens.weight"]  # SGLang's EAGLE-3 worker shares the target's embedding
     return names
 

@@ -72,9 +72,10 @@ def export(run_or_heads: str | Path, fmt: str, output: str | Path, *, target: st
     from transformers import AutoConfig
 
     target_path = resolve_target(target or ckpt.target.name)
-    target_config = AutoConfig.from_pretrained(target_path).get_text_config()
-    ctx = ExportContext(target_config=target_config, verifier=_verifier(ckpt, verifier),
-                        speculative_tokens=speculative_tokens, target_path=target_path)
+    full_config = AutoConfig.from_pretrained(target_path)
+    ctx = ExportContext(target_config=full_config.get_text_config(), verifier=_verifier(ckpt, verifier),
+                        speculative_tokens=speculative_tokens, target_path=target_path,
+                        verifier_architectures=tuple(full_config.architectures or ()))
     if fmt == HF_FORMAT:
         out.mkdir(parents=True, exist_ok=True)
         for name in (CONFIG_NAME, WEIGHTS_NAME):

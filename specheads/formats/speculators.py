@@ -47,6 +47,18 @@ def block_speculative_tokens(ctx: ExportContext, block: int, kind: str, setting:
     return wanted
 
 
+def speculators_block(kind: str, speculative_tokens: int, ctx: ExportContext) -> dict[str, Any]:
+    """The `speculators_config` every speculators export writes: a greedy proposal of `speculative_tokens` and the
+    verifier as the engines load it (its name and its own model classes)."""
+    return {
+        "algorithm": kind,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "verifier": {"name_or_path": ctx.verifier, "architectures": list(ctx.verifier_architectures)},
+    }
+
+
 def vocab_mappings(cfg: Any) -> dict[str, torch.Tensor]:
     """speculators' d2t/t2d of a head config's draft vocabulary (none for a full-vocabulary head)."""
     if cfg.draft_vocab is None:
@@ -60,7 +72,7 @@ def chain_names(cfg: FusedChainConfig, lc: Any) -> dict[str, tuple[int, ...]]:
     and speculators/model.py DraftVocabMixin._init_vocab). embed_tokens.weight is the target's: speculators
     means to take it from the verifier when absent, but with transformers 5 its loader initialises the missing
     tensor instead, so the export carries it; vLLM reads the same names (vllm/model_executor/models/llama_eagle3.py,
-    load_weights)."""
+    load_weights). Qwen3 layers (speculators' `qwen3` layer type) carry their per-head q/k norms."""
     h, n = cfg.hidden_size, len(cfg.aux_layers)
     names: dict[str, tuple[int, ...]] = {"fc.weight": (h, n * h), "norm.weight": (h,),
                                          "lm_head.weight": (cfg.draft_vocab_size, h),
@@ -70,7 +82,8 @@ def chain_names(cfg: FusedChainConfig, lc: Any) -> dict[str, tuple[int, ...]]:
     if cfg.fc_norm:
         names |= {f"fc_norm.{i}.weight": (h,) for i in range(n)}
     for i in range(cfg.num_layers):
-        names |= layer_shapes(f"layers.{i}.", lc, input_width=2 * h if i == 0 else h)
+        names |= layer_shapes(f"layers.{i}.", lc, input_width=2 * h if i == 0 else h,
+                              qk_norm=lc.model_type == "qwen3")
         if i == 0:
             names["layers.0.hidden_norm.weight"] = (h,)
     if cfg.draft_vocab is not None:
@@ -92,16 +105,8 @@ def write_speculators_layout(cfg: FusedChainConfig, state: Mapping[str, torch.Te
         "architectures": [architecture],
         "speculators_model_type": cfg.KIND,
         "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": cfg.KIND,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": speculative_tokens or ctx.speculative_tokens
-                                  or DEFAULT_SPECULATIVE_TOKENS,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": ctx.verifier,
-                         "architectures": list(getattr(ctx.target_config, "architectures", None) or [])},
-        },
+        "speculators_config": speculators_block(
+            cfg.KIND, speculative_tokens or ctx.speculative_tokens or DEFAULT_SPECULATIVE_TOKENS, ctx),
         "transformer_layer_config": layer_config_dict(ctx.target_config, cfg.num_layers, cfg.layer),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": None,

@@ -58,9 +58,10 @@ def both_logits(model, head, tokens, feats, seed=0):
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash.utils import select_anchors
 
+    block = head.config.block_size
     loss_mask = torch.ones(tokens.shape)
     torch.manual_seed(seed)
-    anchors, _ = select_anchors(loss_mask, ANCHORS, BLOCK)
+    anchors, _ = select_anchors(loss_mask, ANCHORS, block)
     caught = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: caught.append(out))
     torch.manual_seed(seed)  # the same draws inside its forward
@@ -74,7 +75,13 @@ def both_logits(model, head, tokens, feats, seed=0):
     batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
     with torch.no_grad():
         want = head.draft_logits(_blocks(head, head, batch, feats, anchors[None]))  # [1, n, B-1, Vd]
-    return caught[0].view(1, ANCHORS, BLOCK, -1)[:, :, 1:], want
+    return caught[0].view(1, ANCHORS, block, -1)[:, :, 1:], want
+
+
+def export_logits(folder, head, target):
+    """The peer's logits for the export in `folder` and `head`'s, at the drafted slots of the blocks it anchors."""
+    tokens, feats = features(target)
+    return both_logits(peer(folder), head, tokens, feats)
 
 
 def test_our_export_loads_in_speculators_and_drafts_the_same_logits(target_dir, tmp_path):  # noqa: F811
@@ -142,7 +149,6 @@ def test_a_drafter_reading_layers_the_target_lacks_is_refused_by_name(target_dir
 def test_an_export_of_a_drafter_with_llama_layers_loads_in_speculators(tmp_path):
     # a Gemma 3 target: the layers are Llama's (specheads.draft_layers), and the export says so
     target, head, folder = export_with_llama_layers("gemma3_text", ours, tmp_path)
-    tokens, feats = features(target)
-    theirs, want = both_logits(peer(folder), head, tokens, feats)
+    theirs, want = export_logits(folder, head, target)
     # the peer's eager attention against the head's SDPA: equal up to fp32 rounding of two kernels
     torch.testing.assert_close(theirs, want, rtol=1e-4, atol=1e-4)

@@ -89,6 +89,15 @@ def peer_logits(model, tokens, feats):
     return caught[0]
 
 
+def export_logits(folder, head, target):
+    """The logits speculators' own model for the export in `folder` drafts (its first step over a random sequence,
+    caught at its LM head), and `head`'s on the same inputs."""
+    tokens, feats = inputs(target)
+    with torch.no_grad():
+        want = head.draft_logits(head(tokens, feats, torch.arange(tokens.shape[1])[None]))
+    return peer_logits(peer(folder), tokens, feats), want
+
+
 @pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True, "fc_norm": True}], ids=["plain", "norm-options"])
 def test_our_export_loads_in_speculators_and_drafts_the_same_logits(target_dir, tmp_path, flags):
     target, target_path = target_dir
@@ -155,8 +164,6 @@ def export_with_llama_layers(arch: str, make_head, tmp_path):
 @pytest.mark.parametrize("arch", ["gemma3_text", "phi3"])
 def test_heads_with_llama_layers_export_them_and_name_their_own_verifier(tmp_path, arch):
     target, head, folder = export_with_llama_layers(arch, ours, tmp_path)
-    tokens, feats = inputs(target)
-    with torch.no_grad():
-        want = head.draft_logits(head(tokens, feats, torch.arange(tokens.shape[1])[None]))
+    theirs, want = export_logits(folder, head, target)
     # the peer's eager attention against the head's SDPA: equal up to fp32 rounding of two kernels
-    torch.testing.assert_close(peer_logits(peer(folder), tokens, feats), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(theirs, want, rtol=1e-4, atol=1e-4)

@@ -50,15 +50,15 @@ def peer(folder):
 
 
 def both_logits(model, head, tokens, feats, seed=0):
-    """The peer's logits over every entry its own training forward samples (all depths), caught at its LM head, and
-    ours over the same (anchor, depth) entries."""
+    """The peer's logits over every entry its own training forward samples (all of `head`'s depths), caught at its LM
+    head, and ours over the same (anchor, depth) entries."""
     from speculators.losses import resolve_loss_config
     from speculators.models.peagle.data import generate_cod_sample_indices
 
-    width = tokens.shape[1]
+    width, depths = tokens.shape[1], head.config.num_depths
     loss_mask = torch.ones(1, width)
     loss_mask[0, 0] = 0  # its sampler never anchors at position 0
-    kwargs = {"num_depths": DEPTHS, "down_sample_ratio": 0.8, "down_sample_ratio_min": 0.5}
+    kwargs = {"num_depths": depths, "down_sample_ratio": 0.8, "down_sample_ratio_min": 0.5}
     torch.manual_seed(seed)
     anchor, depth = generate_cod_sample_indices(width, loss_mask, **kwargs)
     caught = []
@@ -71,13 +71,19 @@ def both_logits(model, head, tokens, feats, seed=0):
                   loss_config=resolve_loss_config("kl_div", "eager"), **kwargs)  # its fused loss needs a GPU compiler
     finally:
         hook.remove()
-    assert int(depth.max()) == DEPTHS - 1  # every depth is compared
-    anchors = [anchor[depth == d] for d in range(DEPTHS)]
+    assert int(depth.max()) == depths - 1  # every depth is compared
+    anchors = [anchor[depth == d] for d in range(depths)]
     with torch.no_grad():
         out, got_anchor, got_depth = block_forward(head, head, tokens, feats, anchors)
         want = head.draft_logits(out)
     assert torch.equal(got_anchor, anchor) and torch.equal(got_depth, depth)
     return caught[0], want
+
+
+def export_logits(folder, head, target):
+    """The peer's logits for the export in `folder` and `head`'s, over the entries its training forward samples."""
+    tokens, feats = inputs(target, length=12)
+    return both_logits(peer(folder), head, tokens, feats)
 
 
 def test_our_export_loads_in_speculators_and_drafts_the_same_logits(target_dir, tmp_path):  # noqa: F811
@@ -141,7 +147,6 @@ def test_an_export_without_a_mask_token_is_refused_by_name(target_dir, tmp_path)
 def test_an_export_of_heads_with_llama_layers_loads_in_speculators(tmp_path):
     # a Gemma 3 target: the layers are Llama's (specheads.draft_layers), and the export says so
     target, head, folder = export_with_llama_layers("gemma3_text", ours, tmp_path)
-    tokens, feats = inputs(target, length=12)
-    theirs, want = both_logits(peer(folder), head, tokens, feats)
+    theirs, want = export_logits(folder, head, target)
     # the peer's eager attention against the head's SDPA: equal up to fp32 rounding of two kernels
     torch.testing.assert_close(theirs, want, rtol=1e-4, atol=1e-4)
