@@ -1,9 +1,10 @@
 """The decoder layers a draft head builds for a target: the target's own, or Llama's with the target's sizes.
 
-A head of the Llama family's targets (Llama, Qwen2, Qwen3, Mistral) copies the target's decoder layer, norm and
-rotary embedding classes, so its layers are the target's own maths at one or two layers' depth. Other families'
-layers do not fit a head: Phi-3 fuses q/k/v, OLMo 2 and EXAONE 4 put their norms after attention, Gemma's rotary
-embedding wants a layer type and its norms scale by 1 + w, gpt-oss has attention sinks and a mixture of experts.
+A head of Llama, Qwen3 and Mistral targets copies the target's decoder layer, norm and rotary embedding classes, so
+its layers are the target's own maths at one or two layers' depth. Other families' layers do not fit a head or its
+exports: Qwen2's q/k/v biases have no place in the engines' drafter layers, Phi-3 fuses q/k/v, OLMo 2 and
+EXAONE 4 put their norms after attention, Gemma's rotary embedding wants a layer type and its norms scale by 1 + w,
+gpt-oss has attention sinks and a mixture of experts.
 A head for those gets Llama layers of the target's sizes (hidden, heads, kv heads, head dim, MLP width, activation,
 rotary base), the layout of vLLM's and SGLang's EAGLE-3 drafter models. Checkpoints and exports say which: the
 layer config they write is this module's. Every head reads the target's embedding rows plainly (`embedding_rows`).
@@ -23,9 +24,15 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
 from specheads.features import check_aux_layers
 from specheads.hf import LLAMA_LAYOUT_FAMILIES, decoder_of, text_config
 
+# Targets whose heads copy the target's own layer classes: the Llama-layout families whose layers the engines'
+# drafter models hold (speculators builds Llama and Qwen3 layers, SGLang Llama layers; a Mistral layer is a Llama
+# layer). Qwen2's q/k/v biases have no place in those (a Llama layer's `attention_bias` biases o_proj too), so a
+# Qwen2 target's heads get Llama layers, as speculators' own trainer builds for a Qwen2 verifier.
+MIRRORED_FAMILIES = tuple(f for f in LLAMA_LAYOUT_FAMILIES if f != "qwen2")
+
 
 def mirrors_target(text_config: PretrainedConfig) -> bool:
-    return text_config.model_type in LLAMA_LAYOUT_FAMILIES
+    return text_config.model_type in MIRRORED_FAMILIES
 
 
 def source_layer_config(text_config: PretrainedConfig) -> PretrainedConfig:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -30,6 +31,7 @@ from transformers import (
 
 from specheads.fp32_head import fp32_head as with_fp32_head
 from specheads.gemm_layout import resolve_layout, set_linear_layout
+from specheads.hf import causal_lm_class
 
 logger = logging.getLogger(__name__)
 
@@ -250,12 +252,13 @@ def load_target(
 
         check_adapter_folder(adapter)  # a wrong folder fails before the model loads
     tokenizer = AutoTokenizer.from_pretrained(path)
+    auto = causal_lm_class(AutoConfig.from_pretrained(path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+        model = auto.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     except (ValueError, ImportError) as err:
         # Some architectures have no SDPA path; eager attention is slower but universal.
         logger.warning("SDPA attention unavailable for %s (%s); falling back to eager", name, err)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="eager")
+        model = auto.from_pretrained(path, dtype=torch_dtype, attn_implementation="eager")
     model = model.to(device).eval()
     if adapter is not None:  # merged before the layout change and the fp32 head, which wrap or restride the weights
         from specheads.adapter import merged_adapter

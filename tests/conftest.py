@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from specheads.hf import causal_lm_class
 from specheads.inference.proposers.verify_cost import VerifyCost
 
 TINY_VOCAB = 96
@@ -59,6 +60,22 @@ def tiny_config(arch: str = "llama", *, layers: int = 4, vocab: int = TINY_VOCAB
                                          sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                                          layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if arch == "gemma3":  # Gemma 3's image-text checkpoint: a vision tower beside the gemma3_text decoder
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        return transformers.Gemma3Config(text_config=tiny_config("gemma3_text", layers=layers, vocab=vocab,
+                                                                 hidden=hidden).to_dict(),
+                                         vision_config=vision, mm_tokens_per_image=4, boi_token_index=vocab - 3,
+                                         eoi_token_index=vocab - 2, image_token_index=vocab - 1)
+    if arch == "qwen2_5_vl":  # an image-text checkpoint: a vision tower beside a Qwen2 decoder with multimodal rotary
+        rope = {"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 10000.0}
+        text = dict(tiny_config("qwen2", layers=layers, vocab=vocab, hidden=hidden).to_dict(),
+                    model_type="qwen2_5_vl_text", rope_parameters=rope)
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(depth=1, hidden_size=32, num_heads=2,
+                                                                                  out_hidden_size=hidden,
+                                                                                  intermediate_size=64),
+                                             vision_start_token_id=vocab - 3, video_token_id=vocab - 2,
+                                             image_token_id=vocab - 1)
     if arch == "exaone4":  # local layers and a global one, q/k norms
         return transformers.Exaone4Config(**common, sliding_window=WINDOW,
                                           layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
@@ -71,11 +88,12 @@ WINDOW = 6  # the tiny windowed families' sliding window
 def tiny_model(arch: str = "llama", seed: int = 0, **kwargs) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = tiny_config(arch, **kwargs)
+    auto = causal_lm_class(config)  # image-text checkpoints as load_target builds them
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = auto.from_config(config, attn_implementation="sdpa")
     except ValueError:  # no SDPA path (soft-capping in Gemma 2, attention sinks in gpt-oss): eager, as load_target
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = auto.from_config(config, attn_implementation="eager")
     return model.eval().requires_grad_(False)
 
 

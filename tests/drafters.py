@@ -46,7 +46,7 @@ def _medusa(target: nn.Module) -> nn.Module:
 
     torch.manual_seed(0)
     config = MedusaConfig.for_target(target, num_heads=4, draft_vocab=tuple(range(3, 80)))
-    return perturbed(MedusaHeads(config, target.get_output_embeddings()), scale=0.2)
+    return perturbed(MedusaHeads.for_target(config, target), scale=0.2)
 
 
 def _eagle3(target: nn.Module) -> nn.Module:

@@ -24,11 +24,9 @@ from tests.test_families import FAMILIES
 SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")
 
 # Tensors of a Llama-family target's layers that the Llama layers of a loader cannot hold, by the heads' layer type:
-# Qwen2's q/k/v biases (a Llama layer's `attention_bias` biases o_proj too, and speculators builds Llama and Qwen3
-# layers only), and Qwen3's per-head q/k norms, which speculators' Qwen3 layers hold but SGLang's Llama layers do not.
-# DFlash heads have layers of their own (speculators' Qwen3 DFlash layer), without biases, which every family fits.
-UNHELD = {("qwen2", "speculators"): "self_attn.q_proj.bias", ("qwen2", "sglang"): "self_attn.q_proj.bias",
-          ("qwen3", "sglang"): "self_attn.q_norm.weight"}
+# Qwen3's per-head q/k norms, which speculators' Qwen3 layers hold but SGLang's Llama layers do not. DFlash heads
+# have layers of their own (speculators' Qwen3 DFlash layer), which every family fits.
+UNHELD = {("qwen3", "sglang"): "self_attn.q_norm.weight"}
 
 
 def layer_type(arch: str) -> str:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 from transformers import DynamicCache
 
+from specheads.target_logits import target_draft_logits
 from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
 from specheads.train.divergence import soft_cross_entropy
 from specheads.train.features import batch_features, last_layer
@@ -74,12 +75,6 @@ def _valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction 
     return valid
 
 
-def target_draft_weight(target: torch.nn.Module, draft_ids: torch.Tensor | None) -> torch.Tensor:  # [Vd, H]
-    """The target's LM head rows of a draft vocabulary: the target's own distribution over what the head scores."""
-    weight = target.get_output_embeddings().weight
-    return weight if draft_ids is None else weight[draft_ids]
-
-
 def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor], *, ttt_steps: int,
                ttt_decay: float, feature_noise: float, cls_weight: float = 1.0,
                reg_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
@@ -99,8 +94,7 @@ def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
     outs = unroll(head, tokens, feats, positions, ttt_steps)
     wanted = last[:, 1:][counts]  # [M0, H]: every step predicts the same next features, on fewer positions
     with torch.no_grad():  # so the target's distribution is computed once for all steps
-        weight = target_draft_weight(target, model.draft_ids)
-        target_logits = wanted.to(weight.dtype) @ weight.T  # [M0, Vd]
+        target_logits = target_draft_logits(target, wanted, model.draft_ids)  # [M0, Vd]
     total, stats, norm = 0.0, {}, 0.0
     for k, pred in enumerate(outs):
         valid = _valid(counts, k)

@@ -18,7 +18,8 @@ from accelerate.utils import extract_model_from_parallel
 
 from specheads.heads.dflash import KIND_NAME, DFlashBlock, DFlashConfig, DFlashHead
 from specheads.heads.fused_head import declared_by
-from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, target_draft_weight
+from specheads.target_logits import target_draft_logits
+from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row
 from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
 from specheads.train.divergence import soft_cross_entropy
 from specheads.train.features import batch_features, last_layer
@@ -120,8 +121,7 @@ def dflash_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
     rows = torch.arange(anchors.shape[0], device=anchors.device)[:, None, None].expand_as(at)
     last = last_layer(features, model.config.hidden_size)
     with torch.no_grad():
-        weight = target_draft_weight(target, model.draft_ids)
-        target_logits = last[rows[valid], at[valid] - 1].to(weight.dtype) @ weight.T  # [M, Vd]
+        target_logits = target_draft_logits(target, last[rows[valid], at[valid] - 1], model.draft_ids)  # [M, Vd]
     logits = model.draft_logits(drafted[valid])  # [M, Vd]
     ce, agree = soft_cross_entropy(target_logits, logits)  # [M], [M]
     entry_slot = slot.expand_as(at)[valid]  # [M]

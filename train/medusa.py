@@ -43,7 +43,7 @@ def build_medusa(settings: MedusaHeadsConfig, target: torch.nn.Module,
     config = MedusaConfig.for_target(target, num_heads=settings.num_heads, num_layers=settings.num_layers,
                                      own_lm_head=settings.own_lm_head,
                                      draft_vocab=None if draft_vocab is None else tuple(draft_vocab))
-    return MedusaHeads(config, target.get_output_embeddings())
+    return MedusaHeads.for_target(config, target)
 
 
 @torch.no_grad()

@@ -27,7 +27,8 @@ from accelerate.utils import extract_model_from_parallel
 from specheads.heads.fused_chain import ChainLayout
 from specheads.heads.fused_head import declared_by
 from specheads.heads.peagle import KIND_NAME, PEagleBlock, PEagleConfig, PEagleHead
-from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, chain_inputs, target_draft_weight
+from specheads.target_logits import target_draft_logits
+from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, chain_inputs
 from specheads.train.class_top1 import TOKEN_HITS, token_hits
 from specheads.train.divergence import soft_cross_entropy
 from specheads.train.features import batch_features, last_layer
@@ -118,8 +119,7 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
     rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(valid)[valid]
     at = (anchor + depth)[None].expand_as(valid)[valid]
     with torch.no_grad():
-        weight = target_draft_weight(target, model.draft_ids)
-        target_logits = last[rows, at].to(weight.dtype) @ weight.T  # [M, Vd]
+        target_logits = target_draft_logits(target, last[rows, at], model.draft_ids)  # [M, Vd]
     logits = model.draft_logits(out[valid])  # [M, Vd]
     ce, agree = soft_cross_entropy(target_logits, logits)  # [M], [M]
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean())}

@@ -20,18 +20,20 @@ from collections.abc import Sequence
 import torch
 
 from specheads.int8 import Int8Matrix
+from specheads.target_logits import LogitMap
 
 
 class ContextVocabulary:
     """Scores the draft vocabulary plus every token seen so far in the current request."""
 
     def __init__(self, lm_weight: torch.Tensor, draft_ids: torch.Tensor | None, enabled: bool = True,
-                 int8: bool = False) -> None:
+                 int8: bool = False, logit_map: LogitMap = LogitMap()) -> None:
         """`lm_weight` [V, H] is the target's LM head; `draft_ids` [Vd] the head's sorted draft vocabulary
         (None: the whole vocabulary, nothing to add). With `enabled=False` only the draft vocabulary is scored.
         With `int8` the draft vocabulary's rows are scored in int8 (`specheads/int8.py`); added rows stay as
-        they are."""
+        they are. `logit_map` is what the target does to its LM head's output (`specheads.target_logits`)."""
         self._lm_weight = lm_weight
+        self._map = logit_map
         self._base_ids = draft_ids
         self._base_weight = lm_weight if draft_ids is None else lm_weight[draft_ids]  # [Vd, H], gathered once
         self._base_int8 = Int8Matrix(self._base_weight) if int8 else None
@@ -84,7 +86,7 @@ class ContextVocabulary:
         out = self._base_weight @ h if self._base_int8 is None else self._base_int8(hidden).T
         if self._extra_ids.numel():
             out = torch.cat([out, self._extra_weight @ h])
-        return out.T.float()
+        return self._map(out.T.float())
 
     @staticmethod
     def logits_rows(vocabs: Sequence[ContextVocabulary], hidden: torch.Tensor) -> torch.Tensor:
@@ -97,15 +99,16 @@ class ContextVocabulary:
         flat = hidden.reshape(b * n, -1)
         base = (first._base_weight @ flat.to(first._base_weight.dtype).T if first._base_int8 is None
                 else first._base_int8(flat).T)  # [Vd, B * n]: the layout `logits` explains
-        base = base.T.float().reshape(b, n, -1)
+        base = first._map(base.T.float().reshape(b, n, -1))
         width = max(v._extra_ids.numel() for v in vocabs)
         if width == 0:
             return base
         extra = base.new_full((b, n, width), float("-inf"))
         for i, v in enumerate(vocabs):
             if v._extra_ids.numel():
-                extra[i, :, : v._extra_ids.numel()] = (v._extra_weight
-                                                       @ hidden[i].to(v._extra_weight.dtype).T).T.float()
+                # mapped before the -inf padding joins them: a soft cap would lift -inf to a finite score
+                extra[i, :, : v._extra_ids.numel()] = v._map((v._extra_weight
+                                                              @ hidden[i].to(v._extra_weight.dtype).T).T.float())
         return torch.cat([base, extra], dim=-1)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into logits' last dim -> token ids

@@ -43,6 +43,7 @@ from specheads.inference.proposers.context_vocab import ContextVocabulary
 from specheads.inference.proposers.lookup import with_heads_options
 from specheads.inference.proposers.node_budget import node_budget
 from specheads.int8 import quantize_linears
+from specheads.target_logits import LogitMap
 
 
 class DraftScorer(Protocol):
@@ -100,8 +101,9 @@ class FusedTreeProposer:
         self.stop_below = stop_below
         first = next(head.parameters())  # an int8 head keeps its norms in its activations' dtype
         self.device, self.dtype = first.device, first.dtype
-        self.vocab = vocab if vocab is not None else ContextVocabulary(head.lm_head.weight.detach(), head.draft_ids,
-                                                                       enabled=context_vocab, int8=int8_vocab)
+        self.vocab = vocab if vocab is not None else ContextVocabulary(
+            head.lm_head.weight.detach(), head.draft_ids, enabled=context_vocab, int8=int8_vocab,
+            logit_map=getattr(head, "logit_map", LogitMap()))
         self.head_rows = HeadRows(head.layer_config)  # shared with forks
         self._row = -1  # this sequence's row in it, from `start` to `finish`
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # target features [m, D], tokens [m]

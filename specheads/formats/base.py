@@ -58,9 +58,11 @@ class ExportContext:
 
 @functools.lru_cache(maxsize=1)
 def _target_weights(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from specheads.hf import causal_lm_class
+
+    model = causal_lm_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
     return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
 
 

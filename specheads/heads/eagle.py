@@ -31,6 +31,7 @@ from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
 from specheads.hf import cache_kwargs, decoder_of
 from specheads.kinds import DrafterKind, register_kind
+from specheads.target_logits import logit_map
 
 KIND_NAME = "eagle"
 
@@ -74,6 +75,7 @@ class EagleHead(nn.Module):
         self.layer_config = layer_cfg
         # The target's embeddings and LM head: shared, frozen, outside this module's parameters.
         self._frozen = (target.get_input_embeddings(), target.get_output_embeddings())
+        self.logit_map = logit_map(target.config)  # what the target does to that LM head's output
         ids = None if config.draft_vocab is None else torch.tensor(config.draft_vocab, dtype=torch.long)
         self.register_buffer("draft_ids", ids, persistent=False)  # [Vd] or None; rebuilt from the config
         self._init_weights(target)
@@ -151,8 +153,8 @@ class EagleHead(nn.Module):
         weight = self.lm_head.weight
         return weight if self.draft_ids is None else weight[self.draft_ids]
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
-        return hidden @ self.draft_weight().T
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd], as the target scores
+        return self.logit_map(hidden @ self.draft_weight().T)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into the draft logits -> token ids
         return index if self.draft_ids is None else self.draft_ids[index]

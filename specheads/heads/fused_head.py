@@ -14,6 +14,7 @@ from torch import nn
 from specheads.draft_layers import DraftLayerClasses, embedding_rows, final_norm_scale
 from specheads.features import feature_rows, feature_width
 from specheads.heads.draft_vocab import check_draft_vocab
+from specheads.target_logits import logit_map, target_draft_weight
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -107,9 +108,9 @@ class FusedHead(nn.Module):
         draft = self.config.draft_vocab
         ids = None if draft is None else torch.tensor(draft, dtype=torch.long)
         self.register_buffer("draft_ids", ids, persistent=False)  # [Vd] or None; rebuilt from the config
-        with torch.no_grad():  # start from the target's own next-token head
-            rows = target.get_output_embeddings().weight
-            self.lm_head.weight.copy_(rows if ids is None else rows[ids.to(rows.device)])
+        with torch.no_grad():  # start from the target's own next-token head, its logit scale folded in
+            rows = target_draft_weight(target, ids)
+            self.lm_head.weight.copy_(rows * logit_map(target.config).scale)
             # the target's own norm class takes its weights; a Llama norm the scale the target's applies
             self.norm.weight.copy_(decoder.norm.weight if classes.mirrored else final_norm_scale(target))
 

@@ -19,6 +19,7 @@ from specheads.heads.draft_vocab import check_draft_vocab
 from specheads.int8 import input_dtype
 from specheads.kinds import DrafterKind, register_kind
 from specheads.static_trees import validate_tree
+from specheads.target_logits import LogitMap, logit_map
 
 KIND_NAME = "medusa"
 _SHARED_PREFIX = "target_lm_head."  # the target's own LM head: frozen, never saved
@@ -78,9 +79,10 @@ class MedusaHeads(nn.Module):
     """K Medusa heads for one target; `forward(hidden [B, T, H]) -> logits [K, B, T, Vd]` over the
     draft vocabulary (Vd = V without one); `token_ids` maps logit indices back to token ids."""
 
-    def __init__(self, config: MedusaConfig, target_lm_head: nn.Module) -> None:
-        """`target_lm_head` is the target's output embedding (H -> V). Shared heads use it as is and
-        freeze it (the target is frozen by design); own heads copy its weights."""
+    def __init__(self, config: MedusaConfig, target_lm_head: nn.Module, logits: LogitMap = LogitMap()) -> None:
+        """`target_lm_head` is the target's output embedding (H -> V) and `logits` what the target does to its
+        output (`specheads.target_logits`; `for_target` reads it). Shared heads use the LM head as is, frozen (the
+        target is frozen by design), and apply the whole map; own heads copy its weights times the map's scale."""
         super().__init__()
         weight = target_lm_head.weight
         if tuple(weight.shape) != (config.vocab_size, config.hidden_size):
@@ -88,6 +90,8 @@ class MedusaHeads(nn.Module):
                              f"({config.vocab_size}, {config.hidden_size}); "
                              "build the config with MedusaConfig.for_target")
         self.config = config
+        # Shared heads score as the target does; own heads start there, but their soft cap would not survive export.
+        self.logit_map = logits if not config.own_lm_head else LogitMap()
         # New weights follow the target's device and dtype, so the heads run on its hidden states as they come.
         factory = dict(device=weight.device, dtype=weight.dtype)
         bias = getattr(target_lm_head, "bias", None)
@@ -103,9 +107,9 @@ class MedusaHeads(nn.Module):
             for _ in range(config.num_heads):
                 head = nn.Linear(config.hidden_size, scored, bias=bias is not None, **factory)
                 with torch.no_grad():
-                    head.weight.copy_(weight if ids is None else weight[ids])
+                    head.weight.copy_((weight if ids is None else weight[ids]) * logits.scale)
                     if bias is not None:
-                        head.bias.copy_(bias if ids is None else bias[ids])
+                        head.bias.copy_((bias if ids is None else bias[ids]) * logits.scale)
                 self.lm_heads.append(head)
             self.target_lm_head = None
         elif ids is None:
@@ -139,7 +143,7 @@ class MedusaHeads(nn.Module):
         for k in range(n):
             h = self.blocks[k](x)
             lm_head = self.lm_heads[k] if self.lm_heads is not None else self.target_lm_head
-            out.append(lm_head(h.to(input_dtype(lm_head))))
+            out.append(self.logit_map(lm_head(h.to(input_dtype(lm_head)))))
         return torch.stack(out)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:  # indices into forward's last dim -> token ids
@@ -147,7 +151,7 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def for_target(cls, config: MedusaConfig, target: nn.Module) -> MedusaHeads:
-        return cls(config, target.get_output_embeddings())
+        return cls(config, target.get_output_embeddings(), logit_map(target.config))
 
 
 register_kind(DrafterKind(
