@@ -7,7 +7,7 @@ import json
 import torch
 
 from specheads.train.data import load_conversations
-from specheads.train.regenerate import main, regenerate
+from specheads.train.regenerate import TargetAnswerer, main, regenerate
 
 
 def write_conversations(path, n: int = 5) -> None:
@@ -50,12 +50,20 @@ def test_rerun_skips_finished_shards(tiny_model_dir, tmp_path):
     model, tok = load_target(str(tiny_model_dir))
     convs = load_conversations(str(data))[0]["messages"]
     out = tmp_path / "regen"
-    regenerate(model, tok, convs, out, shard_size=2, batch_size=2, max_new_tokens=4, stop_ids=[2])
+    answerer = TargetAnswerer(model, tok, batch_size=2, max_new_tokens=4, stop_ids=[2])
+    first = regenerate(convs, out, answerer, shard_size=2)
+    assert (first.answered, first.resumed, first.kept) == (4, 0, 4)
     kept = (out / "shard_00000.jsonl").stat().st_mtime_ns
-    (out / "shard_00001.jsonl").unlink()  # as if the job died while writing the second shard
-    regenerate(model, tok, convs, out, shard_size=2, batch_size=2, max_new_tokens=4, stop_ids=[2])
+    whole = (out / "conversations.jsonl").read_text()
+    # as if the job died in the second shard after answering its first conversation, mid-way through the next line
+    lines = (out / "shard_00001.jsonl").read_text().splitlines()
+    (out / "shard_00001.jsonl").unlink()
+    (out / "shard_00001.partial.jsonl").write_text(json.dumps({"i": 0, "messages": json.loads(lines[0])["messages"]})
+                                                   + "\n" + '{"i": 1, "mess')
+    again = regenerate(convs, out, answerer, shard_size=2)
+    assert (again.answered, again.resumed, again.kept) == (1, 3, 4)  # only the unfinished conversation asked again
     assert (out / "shard_00000.jsonl").stat().st_mtime_ns == kept
-    assert len((out / "conversations.jsonl").read_text().splitlines()) == 4
+    assert (out / "conversations.jsonl").read_text() == whole and not list(out.glob("*.partial.jsonl"))
 
 
 def test_max_turns_keeps_only_the_first_exchanges(tiny_model_dir, tmp_path):

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from specheads.inference.engine.engine import Engine
+from specheads.inference.engine.tree import DraftTree
 from specheads.inference.serve.server import ServerSettings, build_server
 from specheads.inference.serve.service import ServiceLimits
 
@@ -55,3 +56,25 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.service.close()
+
+
+class Slow:
+    """Plain decoding that takes `delay` seconds per step, or waits for `gate` before each one."""
+
+    needs_target_hidden = False
+
+    def __init__(self, delay: float = 0.0, gate: threading.Event | None = None) -> None:
+        self.delay, self.gate, self.steps = delay, gate, 0
+
+    def start(self, ctx, hidden):
+        pass
+
+    def on_verified(self, result, hidden):
+        pass
+
+    def propose(self, ctx):
+        self.steps += 1
+        if self.gate is not None:
+            assert self.gate.wait(timeout=60)
+        time.sleep(self.delay)
+        return DraftTree.root_only(ctx.tokens[-1])

@@ -27,7 +27,7 @@ from specheads.inference.engine.tree import DraftTree
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.target import render_messages
 from tests.conftest import repetitive_prompt, tiny_model, tiny_tokenizer
-from tests.inference.serve.live_server import MODEL, STOPS, LiveServer
+from tests.inference.serve.live_server import MODEL, STOPS, LiveServer, Slow
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -239,28 +239,6 @@ def test_a_proposer_that_fails_to_start_and_a_failed_step_cost_no_other_request(
         assert live.metric("num_requests_running") == 0
     finally:
         live.close()
-
-
-class Slow:
-    """Plain decoding that takes `delay` seconds per step, or waits for `gate` before each one."""
-
-    needs_target_hidden = False
-
-    def __init__(self, delay: float = 0.0, gate: threading.Event | None = None) -> None:
-        self.delay, self.gate, self.steps = delay, gate, 0
-
-    def start(self, ctx, hidden):
-        pass
-
-    def on_verified(self, result, hidden):
-        pass
-
-    def propose(self, ctx):
-        self.steps += 1
-        if self.gate is not None:
-            assert self.gate.wait(timeout=60)
-        time.sleep(self.delay)
-        return DraftTree.root_only(ctx.tokens[-1])
 
 
 def test_a_request_past_its_timeout_ends_with_finish_reason_timeout(target, tokenizer):
