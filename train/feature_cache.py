@@ -6,7 +6,13 @@ epoch on and frees the accelerator from the target during training. Both produce
 
 Layout: `DIR/index.json` ({"hidden_size", "aux_layers", "dtype", "examples": [[shard, offset, length], ...],
 "fingerprint"}) and `DIR/shard_00000.safetensors` ... each holding one tensor `features` [tokens, D]
-with D = (len(aux_layers) + 1) * hidden_size (see `features.py` for the row layout).
+with D = (len(aux_layers) + 1) * hidden_size (see `features.py` for the row layout). On disk a token takes
+D x the dtype's bytes: 4.6 kB for SmolLM2 (H = 576) with three aux layers in bf16, 32 kB for an 8B Llama
+(H = 4096) with three aux layers in bf16, half that for a kind that reads the last layer only.
+
+Several processes write one cache together: process p of n computes examples p, p + n, ... into its own shards
+(`shard_p{p}_00000.safetensors`) and part index (`index.part{p}.json`), and `join_feature_cache` makes the
+index of all once every part exists (the directory must be one all processes see).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ def write_feature_cache(
     aux_layers: Sequence[int] = (),
     shard_tokens: int = 1 << 20,
     batch_tokens: int = 4096,
+    part: tuple[int, int] = (0, 1),
 ) -> Path:
     """Compute and store features for every example. A complete cache for the same data is reused
     when it holds the same aux layers, or when only the last layer is wanted (any cache has it).
@@ -57,46 +64,59 @@ def write_feature_cache(
     Examples of similar length run together, up to `batch_tokens` padded tokens per forward: one
     conversation per forward leaves much of a CPU's matrix throughput unused (and autocast casts
     every weight again for each forward): batched, caching takes about 0.74 of the time on a 2-core
-    CPU (scripts/bench_feature_cache.py)."""
+    CPU (scripts/bench_feature_cache.py).
+
+    `part` = (p, n): this process computes examples p, p + n, ... and writes a part index; with n > 1 the cache is
+    complete once `join_feature_cache` has joined the n parts."""
     if dtype not in DTYPES:
         raise ValueError(f"feature dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    rank, parts = part
+    if not 0 <= rank < parts:
+        raise ValueError(f"feature cache part {rank} of {parts} does not exist")
     out = Path(out_dir)
     fp = fingerprint(input_ids, target_name)
-    index_path = out / "index.json"
+    index_path = out / "index.json" if parts == 1 else out / f"index.part{rank}.json"
     aux_layers = [int(i) for i in aux_layers]
-    if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        if index.get("fingerprint") == fp and (not aux_layers or index.get("aux_layers", []) == aux_layers):
-            log.info("reusing the feature cache in %s", out)
-            return out
+    for found in (out / "index.json", index_path):
+        if found.is_file():
+            index = json.loads(found.read_text())
+            same_part = found.name == "index.json" or index.get("part") == [rank, parts]  # a part of this split
+            if index.get("fingerprint") == fp and same_part and (
+                    not aux_layers or index.get("aux_layers", []) == aux_layers):
+                log.info("reusing the feature cache in %s", found)
+                return out
+    prefix = "shard_" if parts == 1 else f"shard_p{rank}_"
+    mine = range(rank, len(input_ids), parts)
     out.mkdir(parents=True, exist_ok=True)
     hidden = target.config.get_text_config().hidden_size
     width = feature_width(hidden, aux_layers)
-    total = sum(len(ids) for ids in input_ids)
+    total = sum(len(input_ids[i]) for i in mine)
     size = total * width * torch.tensor([], dtype=DTYPES[dtype]).element_size()
     log.info("feature cache: %d tokens x %d x %s = %.2f GB in %s", total, width, dtype, size / 1e9, out)
     device = next(target.parameters()).device
-    examples: list[list[int]] = [[]] * len(input_ids)  # in input order, whatever order they are computed in
+    examples: list[list] = [[]] * len(input_ids)  # in input order, whatever order they are computed in
     pending: list[torch.Tensor] = []
     pending_tokens, shard = 0, 0
 
     def flush() -> None:
         nonlocal pending, pending_tokens, shard
         if pending:
-            tmp = out / f"shard_{shard:05d}.safetensors.tmp"
+            tmp = out / f"{prefix}{shard:05d}.safetensors.tmp"
             save_file({"features": torch.cat(pending).contiguous()}, str(tmp))
-            os.replace(tmp, out / f"shard_{shard:05d}.safetensors")
+            os.replace(tmp, out / f"{prefix}{shard:05d}.safetensors")
             shard += 1
         pending, pending_tokens = [], 0
 
-    bar = tqdm(total=len(input_ids), desc="caching features", unit="conv")
-    for rows in length_batches([len(ids) for ids in input_ids], batch_tokens):
+    bar = tqdm(total=len(mine), desc="caching features" if parts == 1 else f"caching features (part {rank})",
+               unit="conv")
+    for group in length_batches([len(input_ids[i]) for i in mine], batch_tokens):
+        rows = [mine[g] for g in group]
         batch = collate([{"input_ids": input_ids[i], "loss_mask": [0] * len(input_ids[i])} for i in rows], 0)
         feats = target_features(target, batch["input_ids"].to(device), batch["attention_mask"].to(device),
                                 aux_layers).to("cpu", DTYPES[dtype])  # [B, T, D]
         for r, i in enumerate(rows):
             n = len(input_ids[i])
-            examples[i] = [shard, pending_tokens, n]
+            examples[i] = [shard if parts == 1 else f"{prefix}{shard:05d}", pending_tokens, n]
             pending.append(feats[r, :n])
             pending_tokens += n
             if pending_tokens >= shard_tokens:
@@ -105,11 +125,33 @@ def write_feature_cache(
     bar.close()
     flush()
     # The index goes last: a cache without it is incomplete and gets rebuilt.
-    tmp = out / "index.json.tmp"
-    tmp.write_text(json.dumps({"hidden_size": hidden, "aux_layers": aux_layers, "dtype": dtype, "fingerprint": fp,
-                               "examples": examples}))
-    os.replace(tmp, index_path)
+    _write_json(index_path, {"hidden_size": hidden, "aux_layers": aux_layers, "dtype": dtype, "fingerprint": fp,
+                             "examples": examples, **({"part": [rank, parts]} if parts > 1 else {})})
     return out
+
+
+def join_feature_cache(out_dir: str | Path, parts: int) -> Path:
+    """The index of a cache `parts` processes wrote (`write_feature_cache(part=...)`), from their part indices."""
+    out = Path(out_dir)
+    if parts == 1 or (out / "index.json").is_file() and not (out / "index.part0.json").is_file():
+        return out  # one writer, or joined before
+    indices = [json.loads((out / f"index.part{p}.json").read_text()) for p in range(parts)]
+    if len({i["fingerprint"] for i in indices}) != 1:
+        raise ValueError(f"the parts of the feature cache in {out} were written for different data; remove the "
+                         "directory (or set another feature_cache_dir) and run again")
+    joined = {k: v for k, v in indices[0].items() if k != "part"}
+    joined["examples"] = [next(i["examples"][e] for i in indices if i["examples"][e])
+                          for e in range(len(indices[0]["examples"]))]
+    _write_json(out / "index.json", joined)
+    for p in range(parts):
+        (out / f"index.part{p}.json").unlink()
+    return out
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -146,8 +188,9 @@ class FeatureCache:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         shard, offset, length = self.examples[i]
-        if shard not in self._files:
-            self._files[shard] = safe_open(str(self.path / f"shard_{shard:05d}.safetensors"), framework="pt")
+        if shard not in self._files:  # a number (one writer) or a part's shard name (several)
+            name = f"shard_{shard:05d}" if isinstance(shard, int) else shard
+            self._files[shard] = safe_open(str(self.path / f"{name}.safetensors"), framework="pt")
         return self._files[shard].get_slice("features")[offset : offset + length]
 
 

@@ -39,7 +39,7 @@ from specheads.train.data import (
     split_by_conversation,
     tokenize_dataset,
 )
-from specheads.train.feature_cache import FeatureCache, collate_with_features, write_feature_cache
+from specheads.train.feature_cache import FeatureCache, collate_with_features, join_feature_cache, write_feature_cache
 from specheads.train.launch_check import check_launch
 from specheads.train.objective import OBJECTIVES, Objective
 from specheads.train.sharding import keep_models_whole, whole_parameters
@@ -60,14 +60,19 @@ def _mixed_precision(cfg: TrainConfig) -> str:
 
 def _offline_collates(cfg: TrainConfig, objective: Objective, accelerator: Accelerator, target, train_ds, eval_ds,
                       pad: int):
-    """Build (once, on the main process) and open the feature caches; collates that read from them."""
+    """Build the feature caches (every process its share of the conversations, in parallel) and open them;
+    collates that read from them."""
     root = Path(cfg.feature_cache_dir or Path(cfg.output_dir) / "features")
-    with accelerator.main_process_first(), accelerator.autocast():
+    layers = objective.feature_layers(cfg.heads, target.config.get_text_config().num_hidden_layers)
+    part = (accelerator.process_index, accelerator.num_processes)
+    for name, ds in (("train", train_ds), ("eval", eval_ds)):
+        with accelerator.autocast():
+            write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target,
+                                dtype=cfg.feature_dtype, aux_layers=layers, part=part)
+        accelerator.wait_for_everyone()  # every part written before the index joins them
         if accelerator.is_main_process:
-            for name, ds in (("train", train_ds), ("eval", eval_ds)):
-                write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target,
-                                    dtype=cfg.feature_dtype, aux_layers=objective.feature_layers(
-                                        cfg.heads, target.config.get_text_config().num_hidden_layers))
+            join_feature_cache(root / name, accelerator.num_processes)
+        accelerator.wait_for_everyone()
     train_cache, eval_cache = FeatureCache(root / "train"), FeatureCache(root / "eval")
     return ((lambda ex: collate_with_features(ex, pad, train_cache)),
             (lambda ex: collate_with_features(ex, pad, eval_cache)))

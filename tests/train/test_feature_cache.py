@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from specheads.train.data import collate
-from specheads.train.feature_cache import FeatureCache, collate_with_features, length_batches, write_feature_cache
+from specheads.train.feature_cache import (
+    FeatureCache,
+    collate_with_features,
+    join_feature_cache,
+    length_batches,
+    write_feature_cache,
+)
 from specheads.train.features import batch_features, target_features
 from tests.conftest import tiny_model
 
@@ -114,3 +122,30 @@ def test_batched_caching_gives_each_example_its_own_features(tmp_path):
         assert many[i].shape == (len(x), 64)
         # the padding beside it changes nothing but fp32 rounding in products of other shapes
         torch.testing.assert_close(many[i], one[i], atol=1e-4, rtol=1e-4)
+
+
+def test_parts_written_apart_join_into_the_cache_one_writer_writes(tmp_path):
+    target = tiny_model("llama")
+    ids = [e["input_ids"] for e in examples(7)]
+    write_feature_cache(target, ids, tmp_path / "one", target_name="tiny", dtype="float32", aux_layers=(1, 2))
+    for rank in range(3):  # as three processes would, each its own examples rank, rank + 3, ...
+        write_feature_cache(target, ids, tmp_path / "three", target_name="tiny", dtype="float32", aux_layers=(1, 2),
+                            part=(rank, 3))
+    assert not (tmp_path / "three" / "index.json").is_file()  # incomplete until joined
+    assert {p.name for p in (tmp_path / "three").glob("shard_*")} == {f"shard_p{r}_00000.safetensors"
+                                                                       for r in range(3)}
+    join_feature_cache(tmp_path / "three", 3)
+    one, three = FeatureCache(tmp_path / "one"), FeatureCache(tmp_path / "three")
+    assert len(three) == 7 and not list((tmp_path / "three").glob("index.part*"))
+    for i in range(7):  # batches of other rows round differently in fp32: equal up to that
+        torch.testing.assert_close(three[i], one[i], atol=1e-5, rtol=1e-5)
+    # the joined index serves every process afterwards, whatever the split
+    write_feature_cache(target, ids, tmp_path / "three", target_name="tiny", dtype="float32", aux_layers=(1, 2),
+                        part=(1, 2))
+    assert not (tmp_path / "three" / "index.part1.json").is_file()
+    # a part left by a run split otherwise (two processes, now three) holds other examples: written again
+    write_feature_cache(target, ids, tmp_path / "stale", target_name="tiny", dtype="float32", part=(0, 2))
+    write_feature_cache(target, ids, tmp_path / "stale", target_name="tiny", dtype="float32", part=(0, 3))
+    assert json.loads((tmp_path / "stale" / "index.part0.json").read_text())["part"] == [0, 3]
+    with pytest.raises(ValueError, match="part 3 of 3 does not exist"):
+        write_feature_cache(target, ids, tmp_path / "x", target_name="tiny", part=(3, 3))

@@ -199,6 +199,21 @@ def test_two_ddp_processes_train_eagle_as_one_and_their_checkpoint_resumes_in_on
     assert_same_weights(eagle_one_process, resumed)  # same data position and LR schedule as the unbroken run
 
 
+def test_two_processes_cache_features_in_parallel_and_train_as_one_process_on_its_own_cache(tiny_run_inputs,
+                                                                                           tmp_path):
+    offline = (*RUN, "features=offline", "feature_dtype=float32")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train_main(base_args(tiny_run_inputs, one, *offline, "optim.batch_size=4")) == 0
+    proc = launch(CONFIGS / "multi_gpu_ddp.yaml", 2,
+                  ["-m", "specheads.train", *base_args(tiny_run_inputs, two, *offline, "optim.batch_size=2")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("train", "eval"):  # each process wrote its share, and one index joins them
+        shards = {p.name.split("_")[1] for p in (two / "features" / name).glob("shard_*.safetensors")}
+        assert shards == {"p0", "p1"} and not list((two / "features" / name).glob("index.part*"))
+    assert_same_weights(one, two)
+    assert final_eval(two) == pytest.approx(final_eval(one), abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def distill_one_process(tiny_run_inputs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("distill-one") / "run"
