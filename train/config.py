@@ -8,6 +8,7 @@ from typing import Any
 
 from specheads.config import build, read_config_data, to_dict
 from specheads.train.objective import OBJECTIVES
+from specheads.train.target_sharding import check_shardable
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class TrainConfig:
     draft_vocab_size: int | None = 8192  # most frequent training tokens the draft LM head scores (None: all)
     measure_prompts: int = 4  # held-out prompts the final heads decode greedily for the measured τ (0: skip)
     measure_max_new_tokens: int = 64  # new tokens per measured prompt
+    shard_target: bool = False  # split the target's decoder layers over the processes (FSDP2; target_sharding.py)
     data: DataConfig = field(default_factory=DataConfig)
     heads: Any = None  # the recipe's own settings class (Objective.settings); None: its defaults
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -95,6 +97,8 @@ class TrainConfig:
             raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
         if self.measure_prompts < 0 or self.measure_max_new_tokens < 1:
             raise ValueError("measure_prompts must be >= 0 and measure_max_new_tokens >= 1")
+        if self.shard_target and self.measure_prompts:
+            check_shardable(2, self.measure_prompts)
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -57,6 +57,7 @@ def write_feature_cache(
     shard_tokens: int = 1 << 20,
     batch_tokens: int = 4096,
     part: tuple[int, int] = (0, 1),
+    lockstep: bool = False,
 ) -> Path:
     """Compute and store features for every example. A complete cache for the same data is reused
     when it holds the same aux layers, or when only the last layer is wanted (any cache has it).
@@ -67,7 +68,9 @@ def write_feature_cache(
     CPU (scripts/bench_feature_cache.py).
 
     `part` = (p, n): this process computes examples p, p + n, ... and writes a part index; with n > 1 the cache is
-    complete once `join_feature_cache` has joined the n parts."""
+    complete once `join_feature_cache` has joined the n parts. `lockstep`: every part runs as many target forwards
+    as the longest part (a target sharded over the processes gathers each layer collectively), and a part left by
+    an earlier run is computed again (another part may not have been left)."""
     if dtype not in DTYPES:
         raise ValueError(f"feature dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     rank, parts = part
@@ -77,7 +80,7 @@ def write_feature_cache(
     fp = fingerprint(input_ids, target_name)
     index_path = out / "index.json" if parts == 1 else out / f"index.part{rank}.json"
     aux_layers = [int(i) for i in aux_layers]
-    for found in (out / "index.json", index_path):
+    for found in (out / "index.json",) if lockstep else (out / "index.json", index_path):
         if found.is_file():
             index = json.loads(found.read_text())
             same_part = found.name == "index.json" or index.get("part") == [rank, parts]  # a part of this split
@@ -109,7 +112,14 @@ def write_feature_cache(
 
     bar = tqdm(total=len(mine), desc="caching features" if parts == 1 else f"caching features (part {rank})",
                unit="conv")
-    for group in length_batches([len(input_ids[i]) for i in mine], batch_tokens):
+    groups = length_batches([len(input_ids[i]) for i in mine], batch_tokens)
+    if lockstep:  # the other parts' forward counts, known here without asking: every part's examples are
+        longest = max(len(length_batches([len(input_ids[i]) for i in range(p, len(input_ids), parts)], batch_tokens))
+                      for p in range(parts))
+        for _ in range(longest - len(groups)):  # forwards whose output is dropped, so every layer's gather pairs up
+            one = torch.ones(1, 1, dtype=torch.long, device=device)
+            target_features(target, one, one, aux_layers)
+    for group in groups:
         rows = [mine[g] for g in group]
         batch = collate([{"input_ids": input_ids[i], "loss_mask": [0] * len(input_ids[i])} for i in rows], 0)
         feats = target_features(target, batch["input_ids"].to(device), batch["attention_mask"].to(device),

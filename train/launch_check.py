@@ -68,7 +68,8 @@ def check_launch(accelerator: Accelerator, cfg: TrainConfig, objective: Objectiv
     cannot be (see the module doc)."""
     if accelerator.distributed_type == DistributedType.FSDP:
         raise ValueError("FSDP is not supported: the recipe evaluates the trained model through its own modules, "
-                         f"outside the FSDP wrapper that gathers their weights; {SHARDING_FIX}, or {ZERO3_FIX}")
+                         f"outside the FSDP wrapper that gathers their weights; {SHARDING_FIX}, or {ZERO3_FIX}; "
+                         "to shard the target, launch multi_gpu_ddp.yaml with shard_target=true")
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
         check_deepspeed_config(plugin.deepspeed_config, cfg.optim, accelerator.num_processes)

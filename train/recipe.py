@@ -43,6 +43,7 @@ from specheads.train.feature_cache import FeatureCache, collate_with_features, j
 from specheads.train.launch_check import check_launch
 from specheads.train.objective import OBJECTIVES, Objective
 from specheads.train.sharding import keep_models_whole, whole_parameters
+from specheads.train.target_sharding import check_shardable, shard_target
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _offline_collates(cfg: TrainConfig, objective: Objective, accelerator: Accel
     for name, ds in (("train", train_ds), ("eval", eval_ds)):
         with accelerator.autocast():
             write_feature_cache(target, ds["input_ids"], root / name, target_name=cfg.target,
-                                dtype=cfg.feature_dtype, aux_layers=layers, part=part)
+                                dtype=cfg.feature_dtype, aux_layers=layers, part=part, lockstep=cfg.shard_target)
         accelerator.wait_for_everyone()  # every part written before the index joins them
         if accelerator.is_main_process:
             join_feature_cache(root / name, accelerator.num_processes)
@@ -174,8 +175,14 @@ def train(cfg: TrainConfig) -> Path:
         (out / "config.yaml").write_text(yaml.safe_dump(train_config_dict(cfg), sort_keys=False), encoding="utf-8")
     accelerator.wait_for_everyone()
 
+    if cfg.shard_target:  # before the target loads: a one-process launch is refused at once
+        check_shardable(accelerator.num_processes, cfg.measure_prompts)
     target, tokenizer = load_target(cfg.target,
                                     device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
+    shards = shard_target(target, accelerator) if cfg.shard_target else None
+    if shards is not None:
+        log.info("target sharded over %d processes: this one holds %d of its %d decoder weights (and %d whole)",
+                 accelerator.num_processes, shards.held, shards.total, shards.whole)
     with accelerator.main_process_first():
         conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
                                                   skip_conversations=cfg.data.skip_conversations)
@@ -227,6 +234,10 @@ def train(cfg: TrainConfig) -> Path:
             metrics_file.flush()
         accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
+    if shards is not None and step == 0:  # what each process holds, for the record
+        held = accelerator.gather(torch.tensor([shards.held], device=accelerator.device)).tolist()
+        emit({"step": 0, "target_decoder_weights": shards.total, "target_decoder_weights_held": held,
+              "target_weights_whole_per_process": shards.whole})
     last_eval_extra: list = []  # [extra] once an evaluation ran in this process
 
     classes = token_classes(tokenizer, vocab_size, stop_token_ids(tokenizer, target))  # for top-1 by token class

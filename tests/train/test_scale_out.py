@@ -158,7 +158,8 @@ def test_launches_that_partition_what_cannot_be_or_override_accumulation_are_ref
     with pytest.raises(ValueError, match="on-policy steps .* set drafter.on_policy_fraction: 0 or launch with "
                                          "configs/accelerate/deepspeed_zero2.yaml"):
         check_launch(accelerator(zero_stage=3), on_policy, OBJECTIVES.get("distill"))
-    with pytest.raises(ValueError, match="FSDP is not supported.*deepspeed_zero2.yaml .*deepspeed_zero3.yaml"):
+    with pytest.raises(ValueError,
+                       match="FSDP is not supported.*deepspeed_zero2.yaml .*deepspeed_zero3.yaml.*shard_target=true"):
         check_launch(accelerator(DistributedType.FSDP), eagle, OBJECTIVES.get("eagle"))
     with pytest.raises(ValueError, match="sets gradient accumulation to 8 .* optim.grad_accum is 2; unset it"):
         check_launch(accelerator(accumulation=8), eagle, OBJECTIVES.get("eagle"))
@@ -212,6 +213,29 @@ def test_two_processes_cache_features_in_parallel_and_train_as_one_process_on_it
         assert shards == {"p0", "p1"} and not list((two / "features" / name).glob("index.part*"))
     assert_same_weights(one, two)
     assert final_eval(two) == pytest.approx(final_eval(one), abs=1e-6)
+
+
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_two_processes_each_holding_half_the_target_train_as_one_process_holding_it_whole(tiny_run_inputs, tmp_path,
+                                                                                         eagle_one_process, features):
+    two = tmp_path / "two"
+    settings = (*RUN, "optim.batch_size=2", "shard_target=true", f"features={features}", "feature_dtype=float32")
+    proc = launch(CONFIGS / "multi_gpu_ddp.yaml", 2, ["-m", "specheads.train", *base_args(tiny_run_inputs, two,
+                                                                                          *settings)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((two / "metrics.jsonl").read_text().splitlines()[0])
+    total = record["target_decoder_weights"]
+    assert record["target_decoder_weights_held"] == [total // 2, total // 2]  # each process half of every layer
+    assert_same_weights(eagle_one_process, two)
+    assert final_eval(two) == pytest.approx(final_eval(eagle_one_process), abs=1e-6)
+
+
+def test_a_sharded_target_needs_several_processes_and_no_one_process_decoding(tiny_run_inputs, tmp_path, capsys):
+    with pytest.raises(ValueError, match="set measure_prompts=0"):
+        load_train_config(None, base_args(tiny_run_inputs, tmp_path, "shard_target=true"))
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "one", *RUN, "shard_target=true")) == 2
+    assert "this run has one; launch with several" in capsys.readouterr().err
+    assert not (tmp_path / "one" / "metrics.jsonl").exists()
 
 
 @pytest.fixture(scope="module")
