@@ -98,17 +98,7 @@ def write_feature_cache(
     log.info("feature cache: %d tokens x %d x %s = %.2f GB in %s", total, width, dtype, size / 1e9, out)
     device = next(target.parameters()).device
     examples: list[list] = [[]] * len(input_ids)  # in input order, whatever order they are computed in
-    pending: list[torch.Tensor] = []
-    pending_tokens, shard = 0, 0
-
-    def flush() -> None:
-        nonlocal pending, pending_tokens, shard
-        if pending:
-            tmp = out / f"{prefix}{shard:05d}.safetensors.tmp"
-            save_file({"features": torch.cat(pending).contiguous()}, str(tmp))
-            os.replace(tmp, out / f"{prefix}{shard:05d}.safetensors")
-            shard += 1
-        pending, pending_tokens = [], 0
+    shards = ShardWriter(out, prefix, shard_tokens, named=parts > 1)
 
     bar = tqdm(total=len(mine), desc="caching features" if parts == 1 else f"caching features (part {rank})",
                unit="conv")
@@ -125,17 +115,12 @@ def write_feature_cache(
         feats = target_features(target, batch["input_ids"].to(device), batch["attention_mask"].to(device),
                                 aux_layers).to("cpu", DTYPES[dtype])  # [B, T, D]
         for r, i in enumerate(rows):
-            n = len(input_ids[i])
-            examples[i] = [shard if parts == 1 else f"{prefix}{shard:05d}", pending_tokens, n]
-            pending.append(feats[r, :n])
-            pending_tokens += n
-            if pending_tokens >= shard_tokens:
-                flush()
+            examples[i] = shards.add(feats[r, : len(input_ids[i])])
         bar.update(len(rows))
     bar.close()
-    flush()
+    shards.close()
     # The index goes last: a cache without it is incomplete and gets rebuilt.
-    _write_json(index_path, {"hidden_size": hidden, "aux_layers": aux_layers, "dtype": dtype, "fingerprint": fp,
+    write_json(index_path, {"hidden_size": hidden, "aux_layers": aux_layers, "dtype": dtype, "fingerprint": fp,
                              "examples": examples, **({"part": [rank, parts]} if parts > 1 else {})})
     return out
 
@@ -152,13 +137,42 @@ def join_feature_cache(out_dir: str | Path, parts: int) -> Path:
     joined = {k: v for k, v in indices[0].items() if k != "part"}
     joined["examples"] = [next(i["examples"][e] for i in indices if i["examples"][e])
                           for e in range(len(indices[0]["examples"]))]
-    _write_json(out / "index.json", joined)
+    write_json(out / "index.json", joined)
     for p in range(parts):
         (out / f"index.part{p}.json").unlink()
     return out
 
 
-def _write_json(path: Path, value: Any) -> None:
+class ShardWriter:
+    """Feature rows appended to safetensors shards of about `shard_tokens` tokens each, every shard written
+    atomically once full (`prefix` + number); `add` returns where a row lies: [shard, offset, length], the shard by
+    number, or by name where several writers share the directory (`named`)."""
+
+    def __init__(self, out: Path, prefix: str = "shard_", shard_tokens: int = 1 << 20, named: bool = False) -> None:
+        self.out, self.prefix, self.shard_tokens, self.named = out, prefix, shard_tokens, named
+        self.pending: list[torch.Tensor] = []
+        self.pending_tokens, self.shard = 0, 0
+
+    def add(self, row: torch.Tensor) -> list:  # row [n, D]
+        where = [f"{self.prefix}{self.shard:05d}" if self.named else self.shard, self.pending_tokens, row.shape[0]]
+        self.pending.append(row)
+        self.pending_tokens += row.shape[0]
+        if self.pending_tokens >= self.shard_tokens:
+            self.close()
+        return where
+
+    def close(self) -> None:
+        """Write the shard in progress (if any rows are pending)."""
+        if self.pending:
+            name = f"{self.prefix}{self.shard:05d}.safetensors"
+            save_file({"features": torch.cat(self.pending).contiguous()}, str(self.out / (name + ".tmp")))
+            os.replace(self.out / (name + ".tmp"), self.out / name)
+            self.shard += 1
+        self.pending, self.pending_tokens = [], 0
+
+
+def write_json(path: Path, value: Any) -> None:
+    """`value` as JSON at `path`, atomically: a reader sees the old file or the new one, never part of one."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -96,6 +97,24 @@ def _check_resume_config(out: Path, cfg: TrainConfig) -> None:
             raise ValueError(f"resume=true but '{section}' differs from the run in {out} "
                              f"({saved.get(section)!r} -> {now.get(section)!r}); resume with the original model "
                              "config or start a new output_dir")
+
+
+def _keep_metrics_through(path: Path, step: int) -> None:
+    """Drop the rows a stopped run logged past the checkpoint it resumes from: those steps run again, and each step
+    keeps one row (a line cut by the stop goes too)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def draft_vocabulary(train_ds, size: int | None, vocab: int) -> list[int] | None:
@@ -226,6 +245,8 @@ def train(cfg: TrainConfig) -> Path:
         accelerator.init_trackers("specheads", config=train_config_dict(cfg),
                                   init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
 
+    if accelerator.is_main_process and resume_from is not None:
+        _keep_metrics_through(out / "metrics.jsonl", step)
     metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if accelerator.is_main_process else None
 
     def emit(row: dict) -> None:

@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specheads.features import feature_width
@@ -75,7 +74,7 @@ from specheads.hf import decoder_of
 from specheads.target import load_target
 from specheads.train.config import TrainConfig, load_train_config
 from specheads.train.data import load_conversations, split_by_conversation, tokenize_dataset
-from specheads.train.feature_cache import DTYPES, _write_json, fingerprint
+from specheads.train.feature_cache import DTYPES, ShardWriter, fingerprint, write_json
 from specheads.train.objective import OBJECTIVES
 
 log = logging.getLogger(__name__)
@@ -270,32 +269,17 @@ def write_feature_rows(
     (out / "index.json").unlink(missing_ok=True)  # an earlier cache's index would point into rewritten shards
     width = feature_width(hidden_size, aux_layers)
     examples: list[list[int]] = []
-    pending: list[torch.Tensor] = []
-    pending_tokens, shard = 0, 0
-
-    def flush() -> None:
-        nonlocal pending, pending_tokens, shard
-        if pending:
-            tmp = out / f"shard_{shard:05d}.safetensors.tmp"
-            save_file({"features": torch.cat(pending).contiguous()}, str(tmp))
-            os.replace(tmp, out / f"shard_{shard:05d}.safetensors")
-            shard += 1
-        pending, pending_tokens = [], 0
-
+    shards = ShardWriter(out, shard_tokens=shard_tokens)
     for k, row in enumerate(rows):
         n = len(input_ids[k])
         if tuple(row.shape) != (n, width):
             raise ValueError(f"example {k} has features of shape {list(row.shape)}, expected [{n}, {width}]")
-        examples.append([shard, pending_tokens, n])
-        pending.append(row.to(DTYPES[dtype]))
-        pending_tokens += n
-        if pending_tokens >= shard_tokens:
-            flush()
-    flush()
+        examples.append(shards.add(row.to(DTYPES[dtype])))
+    shards.close()
     if len(examples) != len(input_ids):
         raise ValueError(f"{len(examples)} feature rows for {len(input_ids)} examples")
     # The index goes last: a cache without it is incomplete and gets rebuilt.
-    _write_json(out / "index.json", {"hidden_size": hidden_size, "aux_layers": [int(i) for i in aux_layers],
+    write_json(out / "index.json", {"hidden_size": hidden_size, "aux_layers": [int(i) for i in aux_layers],
                                      "dtype": dtype, "fingerprint": fingerprint(input_ids, target_name),
                                      "examples": examples})
     return out

@@ -238,6 +238,39 @@ def test_a_sharded_target_needs_several_processes_and_no_one_process_decoding(ti
     assert not (tmp_path / "one" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "sharded-target"])
+def test_a_killed_two_process_run_resumes_losing_nothing_and_repeating_no_step(tiny_run_inputs, tmp_path, sharded):
+    import signal
+    import time
+
+    # RUN, longer and with more checkpoints, within the first epoch (where 2 processes at batch 2 see what 1 at batch
+    # 4 sees; past it, accelerate evens the last partial batch out differently)
+    steps = (*RUN[2:], "max_steps=10", "save_every=2", "log_every=1")
+    one = tmp_path / "one"  # uninterrupted, one process holding the whole target
+    assert train_main(base_args(tiny_run_inputs, one, *steps, "optim.batch_size=4")) == 0
+    two = tmp_path / "two"
+    program = ["-m", "specheads.train", *base_args(tiny_run_inputs, two, *steps, "optim.batch_size=2",
+                                                   *(["shard_target=true"] if sharded else []))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "",
+           "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(CONFIGS / "multi_gpu_ddp.yaml"), "--num_processes", "2", "--main_process_port", "0",
+                             *program], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (two / "checkpoints" / "step_4" / "trainer_state.json").is_file():  # killed past its second checkpoint
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # every process of the launch, as a preempted job's
+    proc.wait()
+    assert not (two / "final").exists()
+    resumed = launch(CONFIGS / "multi_gpu_ddp.yaml", 2, [*program, "resume=true"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logged = [r["step"] for r in map(json.loads, (two / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert logged == list(range(1, 11))  # every step once: those past the checkpoint ran and were logged again
+    assert_same_weights(one, two)  # and nothing lost: the uninterrupted run's weights
+
+
 @pytest.fixture(scope="module")
 def distill_one_process(tiny_run_inputs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("distill-one") / "run"
