@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from specheads.target_logits import target_draft_logits
 from specheads.train.class_top1 import TOKEN_HITS, join_hits, token_hits
-from specheads.train.divergence import soft_cross_entropy
+from specheads.train.divergence import head_loss
 from specheads.train.features import batch_features, last_layer
 
 EVAL_STEPS = 4  # draft steps evaluated (chain depth of the simulated acceptance length)
@@ -77,14 +77,14 @@ def _valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction 
 
 def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor], *, ttt_steps: int,
                ttt_decay: float, feature_noise: float, cls_weight: float = 1.0,
-               reg_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+               reg_weight: float = 0.0, loss: str = "cross_entropy") -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of a head that drafts a chain step by step (EAGLE-1 and EAGLE-3 alike).
 
     1. Target features (no grad). 2. Noisy features in, the head's outputs out, for each TTT step.
-    3. Per step: cls_weight x soft CE of the head's draft logits (`draft_logits`) against the target's distribution
-       over the draft vocabulary, plus reg_weight x SmoothL1 between the output and the target's next feature
-       (EAGLE-1, whose outputs live in the target's feature space), on the positions that count; step k weighs
-       ttt_decay**k."""
+    3. Per step: cls_weight x `loss` (soft CE by default, `divergence.head_loss`) of the head's draft logits
+       (`draft_logits`) against the target's distribution over the draft vocabulary, plus reg_weight x SmoothL1
+       between the output and the target's next feature (EAGLE-1, whose outputs live in the target's feature
+       space), on the positions that count; step k weighs ttt_decay**k."""
     model = extract_model_from_parallel(head)  # DDP hides the head's own methods
     features = batch_features(target, batch, model.config.aux_layers)  # [B, T, D]
     tokens, feats, positions, counts = chain_inputs(batch, features)
@@ -102,7 +102,7 @@ def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
         step_target = target_logits[keep]  # [M, Vd]
         got = pred[valid]  # [M, H]
         logits = model.draft_logits(got)  # [M, Vd]
-        ce, agree = soft_cross_entropy(step_target, logits)
+        ce, agree = head_loss(loss, step_target, logits)
         ce = ce.mean()
         step = cls_weight * ce
         suffix = "" if k == 0 else f"_step{k + 1}"

@@ -10,6 +10,10 @@ single winner), so all four are offered and compared in one run:
                  is the symmetric Jensen-Shannon divergence
 - `tv`:          ½ Σ |p − q|   total variation: 1 − TV is exactly the chance that one drafted token is
                  accepted by speculative sampling, so minimising it maximises acceptance
+- `nla`:         −log α, α = Σ min(p, q) = 1 − TV   negative log acceptance: TV's optimum, with its gradient scaled by
+                 1/α, which keeps it useful while the overlap is small (a cold start); cross-entropy for a one-hot p
+- `lk`:          λ KL(p ‖ q) + (1 − λ) TV, λ = exp(−η sg[α])   the LK hybrid (Samarin et al. 2026, arXiv 2602.23881):
+                 forward KL's strong pull while the overlap is small, acceptance itself once it is large; η = 3
 
 p is the target's distribution and q the drafter's, both at `temperature` (logits / T); the loss is
 not rescaled by T². Everything is computed in fp32 whatever the logits' dtype; the target's side is
@@ -23,7 +27,8 @@ a CPU; in blocks that stay in cache, with the gradient in closed form, the loss 
 closed forms (z: the drafter's logits, q = softmax(z / T), g: the derivative with respect to q):
     forward KL  dL/dz = (q − p) / T
     otherwise   dL/dz = q (g − Σ q g) / T, with g = log q − log p (reverse KL), (1 − β)(log q − log m) (JSD),
-                ½ sign(q − p) (TV)
+                ½ sign(q − p) (TV), −[q < p] / α (NLA; zero once α is under its floor 1e-5)
+    LK          dL/dz = λ (q − p) / T + (1 − λ) × TV's
 `token_divergences` (evaluation: several at once, no gradient) evaluates the formulas directly; the tests hold
 the two to the same values and gradients.
 """
@@ -35,7 +40,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "tv", "nla", "lk")
+NLA_FLOOR = 1e-5  # α below this counts as this (a drafter disjoint from the target: no gradient, a finite loss)
+LK_ETA = 3.0  # the LK hybrid's blend temperature (the paper's best setting)
 
 
 def check_divergence(name: str, beta: float = 0.5, temperature: float = 1.0) -> None:
@@ -69,6 +76,20 @@ def soft_cross_entropy(
     softmax, log-softmax and product over the vocabulary. Top-1 agreement comes from the same blocks: an argmax
     over bf16 logits of the whole batch costs more than the loss itself on a CPU."""
     return _FusedDivergence.apply(target_logits.detach(), draft_logits, "cross_entropy", 1.0, 0.5, True)
+
+
+HEAD_LOSSES = ("cross_entropy", *DIVERGENCES)
+
+
+def head_loss(
+    name: str,  # one of HEAD_LOSSES
+    target_logits: torch.Tensor,  # [..., V] the frozen target's logits (detached here)
+    draft_logits: torch.Tensor,  # [..., V] the drafter's logits at the same positions
+) -> tuple[torch.Tensor, torch.Tensor]:  # [...] the loss, fp32; [...] bool: the two argmaxes agree (top-1)
+    """A heads recipe's loss (`heads.loss`): `soft_cross_entropy` or one of the divergences, fused the same way."""
+    if name not in HEAD_LOSSES:
+        raise ValueError(f"unknown heads loss {name!r}; use one of: {', '.join(HEAD_LOSSES)}")
+    return _FusedDivergence.apply(target_logits.detach(), draft_logits, name, 1.0, 0.5, True)
 
 
 _BLOCK_ELEMENTS = 1 << 19  # rows per block x V: 2 MiB of fp32, so a block's passes stay in cache
@@ -142,10 +163,27 @@ def _value_and_grad(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: f
         g = (log_q - log_m).masked_fill_(q == 0, 0.0)
         value = beta * _kl(log_p, log_m, p) + (1.0 - beta) * (q * g).sum(-1)
         g.mul_(1.0 - beta)
-    else:
+    elif name == "tv":
         p = log_p.exp()
         g = (q - p).sign_().mul_(0.5)
         value = 0.5 * (q - p).abs_().sum(-1)
+    else:  # nla and lk: through the overlap α = Σ min(p, q)
+        p = log_p.exp()
+        alpha = torch.minimum(p, q).sum(-1, keepdim=True)  # [n, 1]
+        # d min(p, q) / dq: 1 where q < p, ½ at a tie (as autograd splits a minimum's gradient)
+        below = (q < p).to(q.dtype).add_((q == p).to(q.dtype), alpha=0.5)
+        if name == "nla":
+            floored = alpha.clamp_min(NLA_FLOOR)
+            g = below.neg_().div_(floored).mul_((alpha >= NLA_FLOOR).to(q.dtype))
+            value = -floored.log().squeeze(-1)
+        else:
+            lam = torch.exp(-LK_ETA * alpha)  # [n, 1], held constant (stop-gradient)
+            value = (lam.squeeze(-1) * _kl(log_p, log_q, p) + (1.0 - lam.squeeze(-1)) * (1.0 - alpha.squeeze(-1)))
+            if grad_out is not None:  # λ (q − p) + (1 − λ) q (g − Σ q g), g = −[q < p]
+                g = below.neg_()
+                tv = q * g.sub_((q * g).sum(-1, keepdim=True))
+                torch.add(tv.mul_(1.0 - lam), (q - p).mul_(lam), out=grad_out)
+            return value
     if grad_out is not None:  # the softmax's Jacobian: q (g - Σ q g)
         torch.mul(q, g.sub_((q * g).sum(-1, keepdim=True)), out=grad_out)
     return value
@@ -174,7 +212,13 @@ def _divergence(name: str, log_p: torch.Tensor, log_q: torch.Tensor, beta: float
     if name == "jsd":
         log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
         return beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
-    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    if name == "tv":
+        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    alpha = torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+    if name == "nla":
+        return -alpha.clamp_min(NLA_FLOOR).log()
+    lam = torch.exp(-LK_ETA * alpha.detach())  # the blend follows α but is not differentiated through it
+    return lam * _kl(log_p, log_q) + (1.0 - lam) * (1.0 - alpha)
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:

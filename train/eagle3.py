@@ -45,7 +45,7 @@ def build_eagle3(settings: Eagle3HeadsConfig, target: torch.nn.Module,
 def eagle3_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
                      settings: Eagle3HeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
     return chain_loss(head, target, batch, ttt_steps=settings.ttt_steps, ttt_decay=settings.ttt_decay,
-                      feature_noise=settings.feature_noise)
+                      feature_noise=settings.feature_noise, loss=settings.loss)
 
 
 register_objective(Objective(

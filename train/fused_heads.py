@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specheads.heads.fused_head import check_fused_layers, default_aux_layers
+from specheads.train.divergence import HEAD_LOSSES
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,14 @@ class FusedHeadsConfig:
     num_layers: int = 1  # decoder layers in the head (eagle3's first reads cat(embedding, fused features))
     aux_layers: tuple[int, ...] | None = None  # target hidden_states fused by fc; None: 2, L//2, L-3 as speculators
     feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
+    loss: str = "cross_entropy"  # against the target's distribution: cross_entropy or a divergence (divergence.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", check_fused_layers(self.num_layers, self.aux_layers, "heads."))
         if self.feature_noise < 0:
             raise ValueError(f"heads.feature_noise must be >= 0, got {self.feature_noise}")
+        if self.loss not in HEAD_LOSSES:
+            raise ValueError(f"heads.loss {self.loss!r} is unknown; use one of: {', '.join(HEAD_LOSSES)}")
 
     def resolved_aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
         return self.aux_layers if self.aux_layers is not None else default_aux_layers(num_target_layers)

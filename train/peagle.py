@@ -30,7 +30,7 @@ from specheads.heads.peagle import KIND_NAME, PEagleBlock, PEagleConfig, PEagleH
 from specheads.target_logits import target_draft_logits
 from specheads.train.chain_loss import EVAL_TOPK, chain_eval_row, chain_inputs
 from specheads.train.class_top1 import TOKEN_HITS, token_hits
-from specheads.train.divergence import soft_cross_entropy
+from specheads.train.divergence import head_loss
 from specheads.train.features import batch_features, last_layer
 from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
@@ -121,7 +121,7 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
     with torch.no_grad():
         target_logits = target_draft_logits(target, last[rows, at], model.draft_ids)  # [M, Vd]
     logits = model.draft_logits(out[valid])  # [M, Vd]
-    ce, agree = soft_cross_entropy(target_logits, logits)  # [M], [M]
+    ce, agree = head_loss(settings.loss, target_logits, logits)  # [M], [M]
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean())}
     with torch.no_grad():
         hit = agree.float()

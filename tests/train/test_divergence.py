@@ -93,7 +93,7 @@ def test_bf16_logits_are_scored_in_fp32_and_impossible_tokens_give_no_nan():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"name": "kl"}, "unknown divergence 'kl'; use one of: forward_kl, reverse_kl, jsd, tv"),
+    ({"name": "kl"}, "unknown divergence 'kl'; use one of: forward_kl, reverse_kl, jsd, tv, nla, lk"),
     ({"name": "jsd", "beta": 1.0}, r"beta must be in \(0, 1\)"),
     ({"name": "tv", "temperature": 0.0}, "temperature must be > 0"),
 ])
@@ -125,3 +125,39 @@ def test_soft_cross_entropy_is_the_autograd_formula_in_value_and_gradient(monkey
     entropy = -(p * p.log()).nan_to_num().sum(-1)
     torch.testing.assert_close(soft_cross_entropy(target, draft.detach())[0],
                                token_divergence("forward_kl", target, draft.detach()) + entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_the_acceptance_losses_on_distributions_made_by_hand():
+    p, q = [0.5, 0.5, 0.0], [0.25, 0.25, 0.5]  # overlap α = 0.5
+    assert float(token_divergence("nla", logits(p), logits(q))) == pytest.approx(math.log(2), rel=1e-5)
+    lam = math.exp(-3.0 * 0.5)  # λ = exp(−η α), η = 3; KL(p ‖ q) = log 2, TV = 0.5
+    assert float(token_divergence("lk", logits(p), logits(q))) == pytest.approx(lam * math.log(2) + (1 - lam) * 0.5,
+                                                                                rel=1e-5)
+    # a one-hot target: −log α is the cross-entropy −log q(y)
+    assert float(token_divergence("nla", logits([1.0, 0.0, 0.0]), logits(q))) == pytest.approx(math.log(4), rel=1e-5)
+    # disjoint distributions: α under the floor gives a finite loss and no gradient
+    draft = logits([0.0, 0.0, 1.0]).requires_grad_(True)
+    loss = token_divergence("nla", logits([1.0, 0.0, 0.0]), draft)
+    loss.backward()
+    assert float(loss) == pytest.approx(-math.log(divergence.NLA_FLOOR)) and float(draft.grad.abs().sum()) == 0.0
+
+
+PEER = {"forward_kl": "kl_div_loss", "reverse_kl": "reverse_kl_div_loss", "jsd": "js_div_loss", "tv": "tv_loss",
+        "nla": "neg_log_acceptance_loss", "lk": "lk_hybrid_loss"}
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_every_divergence_has_speculators_values_and_gradients(name):
+    eager = pytest.importorskip("speculators.losses.eager", reason="scripts/setup.sh installs speculators")
+    generator = torch.Generator().manual_seed(1)
+    target = torch.randn(1, 12, 80, generator=generator) * 2
+    draft = (target + torch.randn(1, 12, 80, generator=generator) * 1.5).requires_grad_(True)  # overlaps 0.2-0.8
+    weights = torch.rand(1, 12, generator=generator)
+    theirs = getattr(eager, PEER[name])(draft, target)
+    (theirs * weights).sum().backward()
+    their_grad, draft.grad = draft.grad, None
+    ours = token_divergence(name, target, draft)
+    (ours * weights).sum().backward()
+    torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(draft.grad, their_grad, rtol=1e-4, atol=1e-7)

@@ -1,0 +1,77 @@
+"""Loss weights over a block's slots: D-PACE against speculators' own and by hand, decay as DFlash's; the heads
+recipes train with every loss and weighting offered."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specheads.train.divergence import HEAD_LOSSES
+from specheads.train.objective import OBJECTIVES
+from specheads.train.position_weights import acceptance, decay_weights, dpace_weights
+from tests.conftest import tiny_model
+from tests.test_families import answers
+
+
+def test_dpace_by_hand():
+    confidence = torch.tensor([[1.0, 1.0, 1.0], [0.5, 0.5, 0.5]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    got = dpace_weights(confidence, mask, alpha=0.0)
+    # certain slots: slot j is followed by every later one, 3, 2, 1; halves: 1/2 + 1/4 for the first, 1/4 for the
+    # second, nothing for the slot that does not count
+    torch.testing.assert_close(got, torch.tensor([[3.0, 2.0, 1.0], [0.75, 0.25, 0.0]]))
+    torch.testing.assert_close(dpace_weights(confidence, mask, alpha=1.0),  # fully smoothed: counts of what follows
+                               torch.tensor([[3.0, 2.0, 1.0], [2.0, 1.0, 0.0]]))
+
+
+@pytest.mark.interop
+def test_dpace_and_decay_are_speculators_weights():
+    utils = pytest.importorskip("speculators.losses.utils", reason="scripts/setup.sh installs speculators")
+    generator = torch.Generator().manual_seed(0)
+    confidence = torch.rand(6, 5, generator=generator)
+    mask = (torch.rand(6, 5, generator=generator) > 0.2).long()
+    theirs = utils.dpace_loss_decay(None, loss_mask=mask.reshape(1, -1), block_size=5, dpace_alpha=0.3,
+                                    elementwise_loss=-confidence.log().reshape(1, -1))  # their confidence: exp(-CE)
+    torch.testing.assert_close(dpace_weights(confidence, mask, 0.3).reshape(1, -1), theirs, rtol=1e-5, atol=1e-6)
+    slot = torch.arange(1, 8)
+    torch.testing.assert_close(decay_weights(slot, 4.0), utils.dflash_loss_decay(slot, 4.0))
+
+
+def test_acceptance_is_the_overlap_of_the_two_distributions():
+    p, q = torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.25, 0.25, 0.5])
+    assert float(acceptance(p.log(), q.log())) == pytest.approx(0.5)
+    assert float(acceptance(p.log(), p.log())) == pytest.approx(1.0)
+
+
+CASES = [("eagle3", loss, {}) for loss in HEAD_LOSSES] + [("peagle", "nla", {}), ("dflash", "lk", {}),
+                                                          ("dflash", "cross_entropy", {"position_weighting": "dpace"})]
+
+
+@pytest.mark.parametrize(("recipe", "loss", "extra"), CASES)
+def test_the_fused_heads_train_with_every_loss_and_weighting(recipe, loss, extra):
+    model = tiny_model("llama")
+    objective = OBJECTIVES.get(recipe)
+    settings = objective.settings(aux_layers=(1, 2, 3), loss=loss, **extra)
+    torch.manual_seed(0)
+    head = objective.build(settings, model, list(range(3, 90)))
+    optimizer = torch.optim.AdamW(objective.param_groups(head, 3e-3, settings), lr=3e-3)
+    batch, losses = answers(), []
+    for _ in range(8):
+        value, stats = objective.step_loss(head, model, batch, settings)
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(value.detach()))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], (recipe, loss, losses)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"loss": "kl"}, "heads.loss 'kl' is unknown; use one of: cross_entropy, forward_kl"),
+    ({"position_weighting": "linear"}, "heads.position_weighting must be one of decay, dpace"),
+    ({"dpace_alpha": 0.0}, r"heads.dpace_alpha must be in \(0, 1\]"),
+])
+def test_bad_loss_settings_are_named(settings, message):
+    with pytest.raises(ValueError, match=message):
+        OBJECTIVES.get("dflash").settings(aux_layers=(1, 2, 3), **settings)

@@ -1,0 +1,39 @@
+"""Loss weights over a drafted block's positions: later positions count only if the earlier ones are accepted.
+
+A block drafter's slot j is worth something only when slots 1..j-1 were accepted, so training spends its loss where
+acceptance can reach. Two weightings:
+
+- `decay`: slot j weighs exp(-(j - 1) / gamma), fixed (DFlash's own).
+- `dpace` (D-PACE): slot j weighs the expected number of accepted slots from j on, given the block's current
+  confidences c_i: w_j = Σ_{k ≥ j} Π_{i ≤ k} ((1 - a) c_i + a), over the block's counted slots, with the
+  confidences held constant (no gradient) and a smoothing every factor towards 1 (a = 1: uniform weights). Our
+  confidence of a slot is its acceptance probability Σ_v min(p_v, q_v), the overlap of the target's and the
+  drafter's distributions; against a one-hot target that is q(y), speculators' exp(-CE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+WEIGHTINGS = ("decay", "dpace")
+
+
+def decay_weights(slot: torch.Tensor, gamma: float) -> torch.Tensor:  # [...] slot numbers from 1 -> [...]
+    return torch.exp(-(slot - 1).float() / gamma)
+
+
+@torch.no_grad()
+def dpace_weights(confidence: torch.Tensor,  # [N, S] each block's slots in order, in [0, 1]
+                  mask: torch.Tensor,  # [N, S] the slots that count
+                  alpha: float) -> torch.Tensor:  # [N, S], 0 where the mask is
+    mask = mask.to(confidence.dtype)
+    smooth = torch.where(mask > 0, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(mask))
+    prefix = torch.cumprod(smooth, dim=-1)  # Π_{i ≤ k}
+    return (prefix * mask).flip(-1).cumsum(-1).flip(-1) * mask  # Σ_{k ≥ j}, counted slots only
+
+
+@torch.no_grad()
+def acceptance(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:  # [..., V] x2 -> [...]
+    """Σ_v min(p_v, q_v): the chance one token drafted from q is accepted by speculative sampling from p."""
+    p = torch.softmax(target_logits.float(), dim=-1)
+    return torch.minimum(p, torch.softmax(draft_logits.float(), dim=-1)).sum(-1)
