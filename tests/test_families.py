@@ -176,23 +176,28 @@ def answers(n: int = 4, length: int = 24) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_trains_on_every_family(family, recipe):
-    # the recipe's own build and step loss (online features from the target), a few AdamW steps on one batch
-    arch, model, _ = family
+def few_steps(recipe: str, model: torch.nn.Module, **settings) -> list[float]:
+    """The recipe's own build and step loss (online features from `model`), 8 AdamW steps on one batch: the losses."""
     objective = OBJECTIVES.get(recipe)
-    settings = objective.settings(**RECIPES[recipe])
+    config = objective.settings(**settings)
     torch.manual_seed(0)
-    head = objective.build(settings, model, list(range(3, 90)))
-    optimizer = torch.optim.AdamW(objective.param_groups(head, 3e-3, settings), lr=3e-3)
+    head = objective.build(config, model, list(range(3, 90)))
+    optimizer = torch.optim.AdamW(objective.param_groups(head, 3e-3, config), lr=3e-3)
     batch, losses = answers(), []
     for _ in range(8):
-        loss, stats = objective.step_loss(head, model, batch, settings)
+        loss, stats = objective.step_loss(head, model, batch, config)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         assert "top1" in stats
+    return losses
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_trains_on_every_family(family, recipe):
+    arch, model, _ = family
+    losses = few_steps(recipe, model, **RECIPES[recipe])
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], (arch, recipe, losses)
 
 

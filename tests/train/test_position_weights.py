@@ -12,7 +12,7 @@ from specheads.train.divergence import HEAD_LOSSES
 from specheads.train.objective import OBJECTIVES
 from specheads.train.position_weights import acceptance, decay_weights, dpace_weights
 from tests.conftest import tiny_model
-from tests.test_families import answers
+from tests.test_families import few_steps
 
 
 def test_dpace_by_hand():
@@ -51,19 +51,7 @@ CASES = [("eagle3", loss, {}) for loss in HEAD_LOSSES] + [("peagle", "nla", {}),
 
 @pytest.mark.parametrize(("recipe", "loss", "extra"), CASES)
 def test_the_fused_heads_train_with_every_loss_and_weighting(recipe, loss, extra):
-    model = tiny_model("llama")
-    objective = OBJECTIVES.get(recipe)
-    settings = objective.settings(aux_layers=(1, 2, 3), loss=loss, **extra)
-    torch.manual_seed(0)
-    head = objective.build(settings, model, list(range(3, 90)))
-    optimizer = torch.optim.AdamW(objective.param_groups(head, 3e-3, settings), lr=3e-3)
-    batch, losses = answers(), []
-    for _ in range(8):
-        value, stats = objective.step_loss(head, model, batch, settings)
-        value.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(value.detach()))
+    losses = few_steps(recipe, tiny_model("llama"), aux_layers=(1, 2, 3), loss=loss, **extra)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], (recipe, loss, losses)
 
 
