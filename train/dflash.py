@@ -25,33 +25,24 @@ from specheads.train.divergence import head_loss
 from specheads.train.features import batch_features, last_layer
 from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
-from specheads.train.position_weights import WEIGHTINGS, acceptance, decay_weights, dpace_weights
+from specheads.train.position_weights import PositionWeighting
 
 _EVAL_CHUNK = 64  # anchors per evaluation forward: bounds the [Q, C + Q] attention scores
 
 
 @dataclass(frozen=True)
-class DFlashHeadsConfig(FusedHeadsConfig, DFlashBlock):
+class DFlashHeadsConfig(FusedHeadsConfig, DFlashBlock, PositionWeighting):
     """The `heads:` section of a dflash recipe: the drafter's shape (its block `DFlashBlock`: block_size,
     mask_token_id) and the objective's settings."""
 
     max_anchors: int = 64  # blocks trained per sequence and step
-    position_weighting: str = "decay"  # slot weights: "decay" (exp(-(j-1) / position_decay)) or "dpace"
-    position_decay: float = 4.0  # decay: slot j's loss weight is exp(-(j-1) / position_decay)
-    dpace_alpha: float = 0.5  # dpace: smoothing of each slot's confidence towards 1 (position_weights.py)
 
     def __post_init__(self) -> None:
         FusedHeadsConfig.__post_init__(self)
         DFlashBlock.__post_init__(self)
+        PositionWeighting.__post_init__(self)
         if self.max_anchors < 1:
             raise ValueError(f"heads.max_anchors must be >= 1, got {self.max_anchors}")
-        if self.position_weighting not in WEIGHTINGS:
-            raise ValueError(f"heads.position_weighting must be one of {', '.join(WEIGHTINGS)}, "
-                             f"got {self.position_weighting!r}")
-        if self.position_decay <= 0:
-            raise ValueError(f"heads.position_decay must be > 0, got {self.position_decay}")
-        if not 0.0 < self.dpace_alpha <= 1.0:
-            raise ValueError(f"heads.dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
 
 
 def build_dflash(settings: DFlashHeadsConfig, target: torch.nn.Module,
@@ -133,12 +124,7 @@ def dflash_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
     logits = model.draft_logits(drafted[valid])  # [M, Vd]
     ce, agree = head_loss(settings.loss, target_logits, logits)  # [M], [M]
     entry_slot = slot.expand_as(at)[valid]  # [M]
-    if settings.position_weighting == "dpace":  # each block's slots by their chance of being reached
-        confidence = torch.zeros(valid.shape, device=valid.device)
-        confidence[valid] = acceptance(target_logits, logits)
-        w = dpace_weights(confidence.flatten(0, 1), valid.flatten(0, 1), settings.dpace_alpha).view(valid.shape)[valid]
-    else:
-        w = decay_weights(entry_slot, settings.position_decay)
+    w = settings.weights(valid.flatten(0, 1), target_logits, logits)  # blocks: (row, anchor) pairs
     loss = (w * ce).sum() / w.sum().clamp(min=1e-9)
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean()) if ce.numel() else 0.0}
     with torch.no_grad():

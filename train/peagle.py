@@ -34,20 +34,25 @@ from specheads.train.divergence import head_loss
 from specheads.train.features import batch_features, last_layer
 from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
+from specheads.train.position_weights import PositionWeighting
 
 
 @dataclass(frozen=True)
-class PEagleHeadsConfig(FusedHeadsConfig, ChainLayout, PEagleBlock):
+class PEagleHeadsConfig(FusedHeadsConfig, ChainLayout, PEagleBlock, PositionWeighting):
     """The `heads:` section of a peagle recipe: the head's shape (its layout flags `ChainLayout`, its block
     `PEagleBlock`: num_depths, mask_token_id) and the objective's settings."""
 
     down_sample_ratio: float = 0.7  # depth d trains on a share r^d of the anchors (conditional drop-token) ...
     down_sample_ratio_min: float = 0.2  # ... and never on fewer than this share
+    # depth d is slot d + 1 of its anchor's block; uniform: every trained entry alike (the drop-token sample already
+    # thins the deeper ones)
+    position_weighting: str = "uniform"
 
     def __post_init__(self) -> None:
         FusedHeadsConfig.__post_init__(self)
         ChainLayout.__post_init__(self)
         PEagleBlock.__post_init__(self)
+        PositionWeighting.__post_init__(self)
         if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:
             raise ValueError("heads.down_sample_ratio must be in (0, 1] and heads.down_sample_ratio_min in [0, 1], got "
                              f"{self.down_sample_ratio} and {self.down_sample_ratio_min}")
@@ -104,6 +109,21 @@ def _counted(counts: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor) ->
     return counts[:, anchor] & counts[:, anchor + depth]
 
 
+def _weighted(ce: torch.Tensor, settings: PEagleHeadsConfig, valid: torch.Tensor, rows: torch.Tensor,
+              anchor: torch.Tensor, depth: torch.Tensor, width: int, depths: int, target_logits: torch.Tensor,
+              logits: torch.Tensor) -> torch.Tensor:
+    """The entries' loss weighted per block: an anchor's entries are its block's slots, depth d its slot d + 1.
+    `valid` [B, L] lists the entries row by row, depth by depth; the blocks [B * W, depths] anchor by anchor."""
+    entry_anchor, entry_depth = anchor[None].expand_as(valid)[valid], depth[None].expand_as(valid)[valid]
+    key = (rows * width + entry_anchor) * depths + entry_depth  # [M]: each entry's place among the blocks' slots
+    blocks = torch.zeros(valid.shape[0] * width * depths, dtype=torch.bool, device=valid.device)
+    blocks[key] = True
+    by_block = key.argsort()  # entries in the blocks' order
+    w = torch.empty_like(ce)
+    w[by_block] = settings.weights(blocks.view(-1, depths), target_logits[by_block], logits.detach()[by_block])
+    return (w * ce).sum() / w.sum().clamp(min=1e-9)
+
+
 def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
                      settings: PEagleHeadsConfig) -> tuple[torch.Tensor, dict[str, float]]:
     model = extract_model_from_parallel(head)  # DDP hides the head's own methods
@@ -122,6 +142,8 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
         target_logits = target_draft_logits(target, last[rows, at], model.draft_ids)  # [M, Vd]
     logits = model.draft_logits(out[valid])  # [M, Vd]
     ce, agree = head_loss(settings.loss, target_logits, logits)  # [M], [M]
+    loss = ce.mean() if settings.position_weighting == "uniform" else _weighted(
+        ce, settings, valid, rows, anchor, depth, tokens.shape[1], model.config.num_depths, target_logits, logits)
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean())}
     with torch.no_grad():
         hit = agree.float()
@@ -131,7 +153,7 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
             if bool(at_d.any()):
                 stats["top1" if d == 0 else f"top1_depth{d}"] = float(hit[at_d].mean())
     stats.setdefault("top1", 0.0)
-    return ce.mean(), stats
+    return loss, stats
 
 
 @torch.no_grad()

@@ -13,9 +13,41 @@ acceptance can reach. Two weightings:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-WEIGHTINGS = ("decay", "dpace")
+WEIGHTINGS = ("uniform", "decay", "dpace")
+
+
+@dataclass(frozen=True)
+class PositionWeighting:
+    """The `heads:` keys of a block drafter's slot weights (DFlash, P-EAGLE); `weights` applies them."""
+
+    position_weighting: str = "decay"  # slot weights: "uniform", "decay" (exp(-(j-1) / position_decay)) or "dpace"
+    position_decay: float = 4.0  # decay: slot j's loss weight is exp(-(j-1) / position_decay)
+    dpace_alpha: float = 0.5  # dpace: smoothing of each slot's confidence towards 1 (position_weights.py)
+
+    def __post_init__(self) -> None:
+        if self.position_weighting not in WEIGHTINGS:
+            raise ValueError(f"heads.position_weighting must be one of {', '.join(WEIGHTINGS)}, "
+                             f"got {self.position_weighting!r}")
+        if self.position_decay <= 0:
+            raise ValueError(f"heads.position_decay must be > 0, got {self.position_decay}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"heads.dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+
+    def weights(self, blocks: torch.Tensor,  # [N, S] bool: block n's slot s is a trained entry
+                target_logits: torch.Tensor, draft_logits: torch.Tensor  # [M, V] the entries', in `blocks` order
+                ) -> torch.Tensor:  # [M] each entry's loss weight
+        if self.position_weighting == "uniform":
+            return torch.ones(target_logits.shape[0], device=target_logits.device)
+        if self.position_weighting == "decay":
+            slot = torch.arange(1, blocks.shape[1] + 1, device=blocks.device).expand_as(blocks)[blocks]
+            return decay_weights(slot, self.position_decay)
+        confidence = torch.zeros(blocks.shape, device=blocks.device)
+        confidence[blocks] = acceptance(target_logits, draft_logits)
+        return dpace_weights(confidence, blocks, self.dpace_alpha)[blocks]
 
 
 def decay_weights(slot: torch.Tensor, gamma: float) -> torch.Tensor:  # [...] slot numbers from 1 -> [...]

@@ -45,8 +45,9 @@ def test_acceptance_is_the_overlap_of_the_two_distributions():
     assert float(acceptance(p.log(), p.log())) == pytest.approx(1.0)
 
 
-CASES = [("eagle3", loss, {}) for loss in HEAD_LOSSES] + [("peagle", "nla", {}), ("dflash", "lk", {}),
-                                                          ("dflash", "cross_entropy", {"position_weighting": "dpace"})]
+CASES = [("eagle3", loss, {}) for loss in HEAD_LOSSES] + [
+    ("peagle", "nla", {}), ("dflash", "lk", {}), ("dflash", "cross_entropy", {"position_weighting": "dpace"}),
+    ("peagle", "cross_entropy", {"position_weighting": "dpace"}), ("peagle", "tv", {"position_weighting": "decay"})]
 
 
 @pytest.mark.parametrize(("recipe", "loss", "extra"), CASES)
@@ -57,9 +58,24 @@ def test_the_fused_heads_train_with_every_loss_and_weighting(recipe, loss, extra
 
 @pytest.mark.parametrize(("settings", "message"), [
     ({"loss": "kl"}, "heads.loss 'kl' is unknown; use one of: cross_entropy, forward_kl"),
-    ({"position_weighting": "linear"}, "heads.position_weighting must be one of decay, dpace"),
+    ({"position_weighting": "linear"}, "heads.position_weighting must be one of uniform, decay, dpace"),
     ({"dpace_alpha": 0.0}, r"heads.dpace_alpha must be in \(0, 1\]"),
 ])
 def test_bad_loss_settings_are_named(settings, message):
     with pytest.raises(ValueError, match=message):
         OBJECTIVES.get("dflash").settings(aux_layers=(1, 2, 3), **settings)
+
+
+def test_peagle_entries_get_their_own_blocks_weights():
+    # entries listed depth by depth, as P-EAGLE's forward lists them, weighted as their anchors' blocks say
+    from specheads.train.peagle import PEagleHeadsConfig, _weighted
+
+    settings = PEagleHeadsConfig(aux_layers=(1, 2, 3), position_weighting="decay", position_decay=1.0)
+    anchor = torch.tensor([0, 1, 2, 0, 2, 0])  # depth 0 at anchors 0-2, depth 1 at 0 and 2, depth 2 at 0
+    depth = torch.tensor([0, 0, 0, 1, 1, 2])
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    ce = torch.arange(1.0, 7.0)
+    logits = torch.zeros(6, 4)
+    got = _weighted(ce, settings, valid, torch.zeros(6, dtype=torch.long), anchor, depth, 3, 3, logits, logits)
+    w = torch.exp(-depth.float())  # slot d + 1 weighs exp(-d)
+    torch.testing.assert_close(got, (w * ce).sum() / w.sum())
