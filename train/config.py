@@ -8,7 +8,7 @@ from typing import Any
 
 from specheads.config import build, read_config_data, to_dict
 from specheads.train.objective import OBJECTIVES
-from specheads.train.target_sharding import check_shardable
+from specheads.train.target_sharding import check_shard_settings
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ class TrainConfig:
             raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
         if self.measure_prompts < 0 or self.measure_max_new_tokens < 1:
             raise ValueError("measure_prompts must be >= 0 and measure_max_new_tokens >= 1")
-        if self.shard_target and self.measure_prompts:
-            check_shardable(2, self.measure_prompts)
+        if self.shard_target:
+            check_shard_settings(self.measure_prompts)
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -128,7 +128,8 @@ class EndpointAnswerer:
     def _request(self, method: str, path: str, body: dict | None, refusal_ends: bool = False) -> Any:
         import httpx
 
-        for attempt in range(self.endpoint.retries + 1):
+        attempt = 0
+        while True:
             with self._lock:
                 self.requests += 1
             try:
@@ -155,7 +156,7 @@ class EndpointAnswerer:
             wait_s = min(self.endpoint.backoff_s * 2 ** attempt, 30.0)
             log.warning("%s%s: %s; retrying in %.1f s", self.endpoint.base, path, problem, wait_s)
             time.sleep(wait_s)
-        raise AssertionError("unreachable")
+            attempt += 1
 
 
 def _server_message(response: Any) -> str:

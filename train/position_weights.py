@@ -1,8 +1,9 @@
 """Loss weights over a drafted block's positions: later positions count only if the earlier ones are accepted.
 
-A block drafter's slot j is worth something only when slots 1..j-1 were accepted, so training spends its loss where
-acceptance can reach. Two weightings:
+A block drafter's slot j is worth something only when slots 1..j-1 were accepted, so training may spend its loss
+where acceptance can reach. The weightings:
 
+- `uniform`: every trained slot alike (P-EAGLE's default: its drop-token sample already thins the deeper slots).
 - `decay`: slot j weighs exp(-(j - 1) / gamma), fixed (DFlash's own).
 - `dpace` (D-PACE): slot j weighs the expected number of accepted slots from j on, given the block's current
   confidences c_i: w_j = Σ_{k ≥ j} Π_{i ≤ k} ((1 - a) c_i + a), over the block's counted slots, with the

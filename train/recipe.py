@@ -195,7 +195,7 @@ def train(cfg: TrainConfig) -> Path:
     accelerator.wait_for_everyone()
 
     if cfg.shard_target:  # before the target loads: a one-process launch is refused at once
-        check_shardable(accelerator.num_processes, cfg.measure_prompts)
+        check_shardable(accelerator.num_processes)
     target, tokenizer = load_target(cfg.target,
                                     device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
     shards = shard_target(target, accelerator) if cfg.shard_target else None

@@ -63,16 +63,18 @@ def regenerate_batch(
     top_p: float,
     max_prompt_tokens: int,
     stop_ids: list[int],
-) -> list[list[dict]]:
+) -> list[tuple[list[dict] | None, int]]:
     """Regenerate all assistant turns of a batch, turn by turn (turn i of every conversation in one generate call).
 
     1. Keep system/user turns; walk assistant turns in order.
     2. For every conversation that has an i-th assistant turn, render the history so far with the
        chat template (left-padded batch) and let the target answer.
     3. Stop a conversation early when its prompt would exceed max_prompt_tokens (the rest is dropped).
-    Returns one entry per conversation: the regenerated one, or None where no assistant turn was answered.
+    Returns one entry per conversation: the regenerated one (None where no assistant turn was answered) and the
+    tokens generated for it (padding left out).
     """
     out: list[list[dict]] = [[] for _ in conversations]
+    generated = [0] * len(conversations)
     cursors = [0] * len(conversations)
     alive = list(range(len(conversations)))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
@@ -101,11 +103,12 @@ def regenerate_batch(
         gen = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                              eos_token_id=stop_ids, pad_token_id=pad, **sampling)
         for row, c in enumerate(owners):
+            generated[c] += int((gen[row, width:] != pad).sum())
             text = tokenizer.decode(gen[row, width:], skip_special_tokens=True).strip()
             out[c].append({"role": "assistant", "content": text})
             cursors[c] += 1
         alive = owners
-    return [_answered_part(o) for o in out]
+    return [(_answered_part(o), n) for o, n in zip(out, generated)]
 
 
 def _answered_part(messages: list[dict]) -> list[dict] | None:
@@ -142,16 +145,8 @@ class TargetAnswerer:
         for start in range(0, len(order), self.batch_size):
             rows = order[start: start + self.batch_size]
             done = regenerate_batch(self.model, self.tokenizer, [conversations[i] for i in rows], **self.settings)
-            for i, messages in zip(rows, done):
-                yield Answered(i, messages, _new_tokens(self.tokenizer, conversations[i], messages))
-
-
-def _new_tokens(tokenizer: PreTrainedTokenizerBase, before: list[dict], after: list[dict] | None) -> int:
-    """Tokens of the answers written (for the progress bar's rate)."""
-    if after is None:
-        return 0
-    return sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for m in after
-               if m["role"] == "assistant")
+            for i, (messages, tokens) in zip(rows, done):
+                yield Answered(i, messages, tokens)
 
 
 @dataclass(frozen=True)

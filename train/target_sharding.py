@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the config checks `check_shardable` without importing torch
+if TYPE_CHECKING:  # the config checks its settings without importing torch
     from accelerate import Accelerator
     from torch import nn
 
@@ -30,13 +30,18 @@ class TargetShards:
     whole: int  # weights every process holds whole (embeddings, final norm, LM head; elements)
 
 
-def check_shardable(num_processes: int, measure_prompts: int) -> None:
-    if num_processes < 2:
-        raise ValueError("shard_target splits the target over the launch's processes, but this run has one; launch "
-                         "with several (accelerate launch --num_processes N) or set shard_target=false")
+def check_shard_settings(measure_prompts: int) -> None:
+    """What a config with `shard_target: true` may not ask (the config's validation calls this)."""
     if measure_prompts:
         raise ValueError("shard_target: the measured τ decodes the final drafter on one process, which cannot hold the "
                          "sharded target; set measure_prompts=0 and measure with specheads bench where it fits whole")
+
+
+def check_shardable(num_processes: int) -> None:
+    """A launch of `num_processes` can shard the target (the recipe calls this before the target loads)."""
+    if num_processes < 2:
+        raise ValueError("shard_target splits the target over the launch's processes, but this run has one; launch "
+                         "with several (accelerate launch --num_processes N) or set shard_target=false")
 
 
 def shard_target(target: nn.Module, accelerator: Accelerator) -> TargetShards:
@@ -47,7 +52,7 @@ def shard_target(target: nn.Module, accelerator: Accelerator) -> TargetShards:
 
     from specheads.hf import decoder_of
 
-    check_shardable(accelerator.num_processes, 0)
+    check_shardable(accelerator.num_processes)
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     layers = decoder_of(target).layers
     total = sum(p.numel() for layer in layers for p in layer.parameters())
