@@ -3,11 +3,12 @@
 #   1. set up (.venv, project, default target, ShareGPT data);
 #   2. train P-EAGLE heads with the CPU recipe: 300 steps on 600 conversations, where τ has levelled off (2.31
 #      there against 2.32 at 500 steps on 800: docs/results.md, "the heads losses at one budget"), so the whole job
-#      fits in about 25 minutes on 2 cores. P-EAGLE is the kind this budget favours: it drafts a block in one forward, trains about 3x faster per step than EAGLE-3, and at 500 steps on
-#      the same data it was the fastest method in fp32 and in bf16, ahead of EAGLE-3 and DFlash (docs/results.md,
-#      "block drafters (P-EAGLE, DFlash) against EAGLE-3 at the same CPU training budget" and "bf16 with packed
-#      weights"); DFlash given about equal wall time (1000 steps) reaches its τ but drafts more slowly (docs/results.md,
-#      "P-EAGLE against DFlash at about equal training wall time");
+#      fits in 25 minutes on 2 cores. P-EAGLE is the kind this budget favours: it drafts a block in one forward,
+#      trains about 3x faster per step than EAGLE-3, and at 500 steps on the same data it was the fastest method in
+#      fp32 and in bf16, ahead of EAGLE-3 and DFlash (docs/results.md, "block drafters (P-EAGLE, DFlash) against
+#      EAGLE-3 at the same CPU training budget" and "bf16 with packed weights"); DFlash given about equal wall time
+#      (1000 steps) reaches its τ but drafts more slowly (docs/results.md, "P-EAGLE against DFlash at about equal
+#      training wall time");
 #   3. measure on MT-bench first turns (3 questions of each category), in one interleaved run: HF `generate`, HF
 #      `generate` with its static cache and torch.compile, `ar` and `ngram` on the engine's lean forward, and the
 #      P-EAGLE heads as they ship. On a CPU with native bf16 (AMX or AVX512-BF16) it decodes in bf16, the fast

@@ -183,6 +183,71 @@ def _short(err: Exception, limit: int = 300) -> str:  # speculators' token misma
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def vllm_hidden_states(target: torch.nn.Module, input_ids: Sequence[int],
+                       layer_ids: Sequence[int]) -> torch.Tensor:  # [T, n, H]
+    """What vLLM's hidden-state extraction saves for a prompt, from the target's own forward here: for id i < L the
+    residual stream entering decoder layer i, for id L the stream after the last layer, before the final norm."""
+    decoder = decoder_of(target)
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(module, args, kwargs) -> None:
+            seen[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    hooks = [decoder.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True)
+             for i in layer_ids if i < len(decoder.layers)]
+    hooks.append(decoder.norm.register_forward_pre_hook(keep(len(decoder.layers)), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            decoder(input_ids=torch.tensor([list(input_ids)], device=decoder.norm.weight.device), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([seen[i][0] for i in layer_ids], dim=1)
+
+
+def write_speculators_states(
+    target: torch.nn.Module,
+    tokenizer: Any,
+    input_ids: Sequence[Sequence[int]],
+    loss_mask: Sequence[Sequence[int]],
+    out_dir: str | Path,
+    *,
+    target_layer_ids: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Rows and their hidden states in speculators' offline layout, as `prepare-data` and `generate-offline-data`
+    would leave them, the target run here instead of in vLLM: the dataset goes through speculators' own preprocessing
+    (pre-tokenized rows pass through it as they are) and every file through its own `check_hidden_states`. With it,
+    speculators' trainer reads the very hidden states a run here imports (`import_speculators_states`)."""
+    import datasets
+    from safetensors.torch import load_file, save_file
+
+    offline, _ = speculators_file_checks()
+    from speculators.data_generation.preprocessing import build_speculator_training_dataset
+
+    text = target.config.get_text_config()
+    layer_ids = vllm_layer_ids(text.num_hidden_layers, target_layer_ids)
+    rows = datasets.Dataset.from_dict({"input_ids": [list(r) for r in input_ids],
+                                       "loss_mask": [list(m) for m in loss_mask]})
+    prepared = build_speculator_training_dataset(rows, tokenizer, max_length=max(map(len, input_ids)), num_proc=1)
+    kept = prepared.with_format(None)["input_ids"]
+    if [list(r) for r in kept] != [list(r) for r in input_ids]:
+        raise ValueError(f"speculators' preprocessing kept {len(kept)} of {len(input_ids)} rows or changed them; "
+                         "pass rows with at least one loss token each")
+    out = Path(out_dir)
+    prepared.save_to_disk(str(out))
+    states_dir = out / "hidden_states"
+    states_dir.mkdir(exist_ok=True)
+    for i, ids in enumerate(tqdm(kept, desc="hidden states", unit="row")):
+        path = states_dir / f"hs_{i}.safetensors"
+        save_file({"hidden_states": vllm_hidden_states(target, ids, layer_ids).to(dtype).contiguous(),
+                   "token_ids": torch.tensor(ids)}, path)
+        offline.check_hidden_states(load_file(path), ids)
+    return out
+
+
 def import_speculators_states(
     src: str | Path,
     out_dir: str | Path,

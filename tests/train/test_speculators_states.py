@@ -14,18 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specheads.hf import decoder_of
 from specheads.target import load_target
 from specheads.train.__main__ import main as train_main
 from specheads.train.config import load_train_config
 from specheads.train.data import load_conversations, split_by_conversation, tokenize_dataset
 from specheads.train.feature_cache import FeatureCache, fingerprint, write_feature_cache
-from specheads.train.speculators_states import import_speculators_states
+from specheads.train.speculators_states import import_speculators_states, write_speculators_states
 from specheads.train.speculators_states import main as import_main
 from tests.conftest import base_args, tiny_tokenizer
 
 TARGET_LAYER_IDS = [1, 2, 3]  # vLLM launched with --target-layer-ids 1 2 3 (the default 2, 2, 1 repeats a layer)
-LAYER_IDS = [*TARGET_LAYER_IDS, 4]  # ... and the last layer of the 4-layer tiny target
 MISSING = 7  # a row generation skipped: no file
 EAGLE3 = ("recipe=eagle3", "heads.aux_layers=[1,2,3]", "draft_vocab_size=40", "feature_dtype=float32",
           "mixed_precision='no'", "measure_prompts=0")
@@ -33,27 +31,6 @@ EAGLE3 = ("recipe=eagle3", "heads.aux_layers=[1,2,3]", "draft_vocab_size=40", "f
 
 def needs_speculators():
     return pytest.importorskip("speculators", reason="install with: pip install --no-deps speculators==0.9.0")
-
-
-def vllm_states(target, ids: list[int], layer_ids: list[int]) -> torch.Tensor:  # [T, n, H]
-    """What vLLM's extract_hidden_states method saves for a prompt: for id i < L the residual stream entering decoder
-    layer i, for id L the stream after the last layer, before the final norm."""
-    decoder = decoder_of(target)
-    seen: dict[int, torch.Tensor] = {}
-
-    def keep(i):
-        def hook(module, args, kwargs) -> None:
-            seen[i] = args[0] if args else kwargs["hidden_states"]
-        return hook
-
-    hooks = [decoder.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True)
-             for i in layer_ids if i < len(decoder.layers)]
-    hooks.append(decoder.norm.register_forward_pre_hook(keep(len(decoder.layers)), with_kwargs=True))
-    with torch.no_grad():
-        decoder(input_ids=torch.tensor([ids]), use_cache=False)
-    for hook in hooks:
-        hook.remove()
-    return torch.stack([seen[i][0] for i in layer_ids], dim=1)
 
 
 def test_pre_tokenized_rows_load_cut_and_split_as_they_are(tmp_path):
@@ -84,24 +61,16 @@ def test_pre_tokenized_rows_load_cut_and_split_as_they_are(tmp_path):
 def speculators_src(tiny_run_inputs, tmp_path_factory) -> Path:
     """speculators' offline output for the tiny run's conversations: its own preprocessing of pre-tokenized rows
     saved as `prepare-data` saves it, and the hidden-state files the tiny target gives, written as vLLM's
-    connector writes them (generating them needs a vLLM server) and checked with speculators' own check."""
+    connector writes them (generating them needs a vLLM server) and checked with speculators' own check; one row's
+    file is left out, as a sample generation skipped."""
     needs_speculators()
-    from speculators.data_generation.offline import check_hidden_states
-    from speculators.data_generation.preprocessing import build_speculator_training_dataset
-
     target, tokenizer = load_target(str(tiny_run_inputs[0]))
     conversations, _ = load_conversations(str(tiny_run_inputs[1]))
     tokenized = tokenize_dataset(conversations, tokenizer, 96)
-    rows = datasets.Dataset.from_dict({"input_ids": tokenized["input_ids"], "loss_mask": tokenized["loss_mask"]})
-    prepared = build_speculator_training_dataset(rows, tokenizer, max_length=96, num_proc=1)
-    src = tmp_path_factory.mktemp("speculators") / "prepared"
-    prepared.save_to_disk(str(src))
-    (src / "hidden_states").mkdir()
-    for i, ids in enumerate(prepared.with_format(None)["input_ids"]):
-        if i != MISSING:
-            path = src / "hidden_states" / f"hs_{i}.safetensors"
-            save_file({"hidden_states": vllm_states(target, ids, LAYER_IDS), "token_ids": torch.tensor(ids)}, path)
-            check_hidden_states(load_file(path), ids)
+    src = write_speculators_states(target, tokenizer, tokenized["input_ids"], tokenized["loss_mask"],
+                                   tmp_path_factory.mktemp("speculators") / "prepared",
+                                   target_layer_ids=TARGET_LAYER_IDS, dtype=torch.float32)
+    (src / "hidden_states" / f"hs_{MISSING}.safetensors").unlink()
     return src
 
 

@@ -1,0 +1,213 @@
+"""Our EAGLE-3 recipe against speculators' own trainer, side by side, on the default target.
+
+Both trainers get the same conversations, the same hidden states, the same draft vocabulary, the same number of
+steps and about the same tokens per step. Each keeps its own model details, loss, optimizer and schedule, as a
+user of each would run it. The phases:
+
+1. rows and hidden states: the run's conversations (`configs/eagle3-smollm2-cpu.yaml` and its data settings),
+   tokenized and split here, go into speculators' offline layout (its preprocessed dataset, the training rows
+   first, then the held-out ones), with the hidden states the target gives (`write_speculators_states`, what vLLM
+   would have saved) -> OUT/speculators-data;
+2. the same files imported as our data and feature caches (`specheads.train.speculators_states`) -> OUT/imported;
+3. ours: `python -m specheads.train` on the imported caches -> OUT/ours/final;
+4. our draft vocabulary as speculators' d2t/t2d -> OUT/vocab;
+5. the peer: `scripts/speculators_train_cpu.py` (speculators' trainer, two settings made from the outside so it
+   runs on a CPU; named in that script) on the same files, its train/validation boundary at our split's, its
+   batches packed to the tokens of our batch of conversations -> OUT/peer/<epoch>;
+6. one interleaved `specheads bench` run of `ar` and both drafters, each drafting alone (`+lookup=0`) -> OUT/bench.
+
+Each phase is skipped when its output is there, so an interrupted run resumes. OUT/summary.json holds the
+settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the table.
+
+    .venv/bin/python scripts/compare_trainers.py                        # 200 steps on 600 conversations
+    .venv/bin/python scripts/compare_trainers.py --steps 400 --conversations 1000 --out runs/trainers-long
+    .venv/bin/python scripts/compare_trainers.py --peer-arg=--optimizer --peer-arg=adamw --peer-arg=--lr \\
+        --peer-arg=0.002                                                # the peer with our optimizer settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "eagle3-smollm2-cpu.yaml"
+PYTHON = sys.executable
+
+
+def log(message: str) -> None:
+    print(f"==> {message}", flush=True)
+
+
+def run(command: list[str], log_file: Path) -> float:
+    """Run a phase's command with its output in `log_file`; its wall time in seconds."""
+    log(" ".join(command) + f"   (log: {log_file})")
+    start = time.perf_counter()
+    with log_file.open("w") as out:
+        done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode:
+        sys.exit(f"the command failed (exit {done.returncode}); its output is in {log_file}")
+    return time.perf_counter() - start
+
+
+def write_rows(cfg, out: Path) -> dict:
+    """Phase 1: the run's rows and split, in speculators' layout (training rows first) with their hidden states."""
+    from specheads.target import load_target
+    from specheads.train.data import load_conversations, split_by_conversation, tokenize_dataset
+    from specheads.train.speculators_states import write_speculators_states
+
+    target, tokenizer = load_target(cfg.target)
+    conversations, _ = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
+                                          skip_conversations=cfg.data.skip_conversations)
+    tokenized = tokenize_dataset(conversations, tokenizer, cfg.data.max_length)
+    # Split as the import will: pre-tokenized rows are grouped by their prompt tokens, so split those.
+    rows = tokenized.select_columns(["input_ids", "loss_mask"])
+    train, held_out = split_by_conversation(tokenize_dataset(rows, tokenizer, cfg.data.max_length),
+                                            cfg.data.eval_fraction, cfg.seed)
+    ids = train["input_ids"] + held_out["input_ids"]
+    mask = train["loss_mask"] + held_out["loss_mask"]
+    # The split depends on the rows' contents, not their order: the reordered rows must split the same way.
+    import datasets
+
+    again, _ = split_by_conversation(tokenize_dataset(datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask}),
+                                                      tokenizer, cfg.data.max_length), cfg.data.eval_fraction, cfg.seed)
+    if again["input_ids"] != train["input_ids"]:
+        sys.exit("the reordered rows split differently; the two trainers would not see the same rows")
+    write_speculators_states(target, tokenizer, ids, mask, out, target_layer_ids=cfg.heads.aux_layers)
+    lengths = [len(r) for r in train["input_ids"]]
+    return {"rows": len(ids), "train_rows": len(train), "held_out_rows": len(held_out),
+            "train_tokens": sum(lengths), "max_row_tokens": max(lengths)}
+
+
+def peer_epochs(data: Path, train_rows: int, total_seq_len: int, steps: int, seed: int) -> tuple[int, int]:
+    """Epochs the peer needs for `steps` steps, and its batches per epoch, from its own packing sampler."""
+    import datasets
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    lengths = datasets.load_from_disk(str(data)).with_format(None)["seq_len"][:train_rows]
+    batches = len(MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=lengths,
+                                                     num_replicas=1, rank=0, seed=seed))
+    return math.ceil(steps / batches), batches
+
+
+def draft_vocab_files(ours: Path, out: Path) -> tuple[Path, Path]:
+    """Phase 4: our drafter's draft vocabulary as speculators' d2t/t2d .npy files."""
+    import numpy as np
+
+    from specheads.heads.checkpoint import read_checkpoint
+    from specheads.heads.draft_vocab import speculators_mappings
+
+    config = read_checkpoint(ours).config
+    d2t, t2d = speculators_mappings(tuple(config["draft_vocab"]), config["vocab_size"])
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "d2t.npy", d2t.numpy())
+    np.save(out / "t2d.npy", t2d.numpy())
+    return out / "d2t.npy", out / "t2d.npy"
+
+
+def peer_checkpoint(save_path: Path) -> Path | None:
+    """The peer's last checkpoint folder (its epochs are numbered folders)."""
+    epochs = sorted((p for p in save_path.glob("[0-9]*") if (p / "config.json").is_file()), key=lambda p: int(p.name))
+    return epochs[-1] if epochs else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each trainer (default 200)")
+    parser.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations read (default 600)")
+    parser.add_argument("--out", type=Path, help="output folder (default runs/trainers-<date>)")
+    parser.add_argument("--questions", default=str(ROOT.parent / "shared" / "data" / "mt_bench.jsonl"))
+    parser.add_argument("--per-category", type=int, default=3, help="questions of each category (default 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", help="the bench's dtype (default float32: exact)")
+    parser.add_argument("--peer-arg", action="append", default=[],
+                        help="an extra argument for speculators' trainer (repeat it), e.g. --peer-arg=--optimizer "
+                             "--peer-arg=adamw")
+    args = parser.parse_args(argv)
+    out = (args.out or ROOT / "runs" / f"trainers-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary["settings"] = {"steps": args.steps, "conversations": args.conversations, "config": str(CONFIG),
+                           "peer_args": args.peer_arg}
+
+    def save() -> None:
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+
+    from specheads.target import resolve_target
+    from specheads.train.config import load_train_config
+
+    overrides = [f"data.max_conversations={args.conversations}", f"max_steps={args.steps}",
+                 f"eval_every={args.steps}", f"save_every={args.steps}"]
+    cfg = load_train_config(str(CONFIG), overrides)
+    data = out / "speculators-data"
+    if not (data / "hidden_states").is_dir() or "rows" not in summary:
+        log(f"rows and hidden states of {args.conversations} conversations -> {data}")
+        summary["rows"] = write_rows(cfg, data)
+        save()
+    rows = summary["rows"]
+
+    imported = out / "imported"
+    if not (imported / "data.jsonl").is_file():
+        run([PYTHON, "-m", "specheads.train.speculators_states", str(data), str(CONFIG), *overrides,
+             "--output", str(imported), "--target-layer-ids", *map(str, cfg.heads.aux_layers)],
+            out / "import.log")
+    imported_rows = len(json.loads((imported / "features" / "train" / "index.json").read_text())["examples"])
+    if imported_rows != rows["train_rows"]:
+        sys.exit(f"the import split {imported_rows} training rows where speculators' data has {rows['train_rows']}; "
+                 "the two trainers would not see the same rows")
+
+    ours = out / "ours"
+    if not (ours / "final" / "config.json").is_file():
+        summary["ours_wall_s"] = run(
+            [PYTHON, "-m", "specheads.train", str(CONFIG), *overrides, f"output_dir={ours}",
+             f"data.source={imported / 'data.jsonl'}", "features=offline",
+             f"feature_cache_dir={imported / 'features'}"],
+            out / "ours.log")
+        save()
+
+    d2t, t2d = draft_vocab_files(ours / "final", out / "vocab")
+    # The peer packs rows into batches of up to total_seq_len tokens; ours takes batch_size rows. Equal tokens per
+    # step on average: batch_size times the mean training row.
+    total_seq_len = max(rows["max_row_tokens"], round(cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]))
+    epochs, batches = peer_epochs(data, rows["train_rows"], total_seq_len, args.steps, cfg.seed)
+    summary["tokens_per_step"] = {"ours": cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"],
+                                  "peer": rows["train_tokens"] / batches}
+    peer = out / "peer"
+    if peer_checkpoint(peer) is None:
+        ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
+        summary["peer_wall_s"] = run(
+            [PYTHON, str(ROOT / "scripts" / "speculators_train_cpu.py"), "--speculator-type", "eagle3",
+             "--verifier-name-or-path", resolve_target(cfg.target), "--data-path", str(data),
+             "--save-path", str(peer), "--log-dir", str(out / "peer-logs"), "--num-layers", str(cfg.heads.num_layers),
+             "--draft-arch", "llama", "--target-layer-ids", *map(str, cfg.heads.aux_layers),
+             "--d2t-path", str(d2t), "--t2d-path", str(t2d), "--draft-vocab-size", str(cfg.draft_vocab_size),
+             "--ttt-steps", str(cfg.heads.ttt_steps), "--draft-attn-impl", "sdpa", "--total-seq-len",
+             str(total_seq_len), "--train-data-ratio", f"{ratio:.8f}", "--hidden-states-dtype", "bfloat16",
+             "--num-workers", "0", "--on-missing", "raise", "--max-steps", str(args.steps), "--epochs", str(epochs),
+             "--seed", str(cfg.seed), "--loss-implementation", "eager",  # its fused losses need Triton (a GPU)
+             *args.peer_arg],
+            out / "peer.log")
+        save()
+    peer_final = peer_checkpoint(peer)
+
+    if not (out / "bench" / "summary.json").is_file():
+        methods = ["ar", f"eagle3:{ours / 'final'}+lookup=0", f"eagle3:{peer_final}+lookup=0"]
+        run([str(Path(PYTHON).parent / "specheads"), "bench", "--target", cfg.target, "--dtype", args.dtype,
+             "--methods", ",".join(methods), "--questions", args.questions, "--per-category", str(args.per_category),
+             "--max-new-tokens", str(args.max_new_tokens), "--no-plots", "--output", str(out / "bench")],
+            out / "bench.log")
+    summary["methods"] = {"ours": f"eagle3:{ours / 'final'}+lookup=0", "peer": f"eagle3:{peer_final}+lookup=0"}
+    save()
+    log(f"done: {out / 'bench' / 'summary.md'}, {summary_path}")
+    print((out / "bench" / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

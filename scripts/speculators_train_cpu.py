@@ -1,0 +1,61 @@
+"""speculators' own trainer (`python -m speculators.train`, speculators 0.9.0) on a machine without a GPU.
+
+Its code runs unchanged but for two things set here from the outside, without editing the installed package:
+
+1. The device. Its `Trainer` moves the model and every batch to `get_local_rank()`, an int that torch reads as
+   `cuda:<rank>`, and autocasts for `torch.accelerator.current_accelerator()`, falling back to "cuda" when there
+   is none. Here both are "cpu": the local rank is the device "cpu" and the autocast device type is "cpu". Its
+   step timer synchronizes the accelerator before each reading, which raises where there is none; a CPU has no
+   queued work to wait for, so there the synchronization does nothing.
+2. The step budget. With `--max-steps`, its epoch loop checks the budget after each step, so every epoch that
+   starts once the budget is spent still trains one step. Here an epoch that starts with the budget spent trains
+   none; the validation pass after it still runs, as speculators' code has it.
+
+Everything else (data loading and packing, the model, losses, optimizer, schedule, checkpoints) is speculators'.
+
+    .venv/bin/python scripts/speculators_train_cpu.py --speculator-type eagle3 --verifier-name-or-path DIR ...
+
+The arguments are those of `python -m speculators.train` (its `--help` lists them).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def run_on_cpu() -> None:
+    import speculators.train.trainer as trainer
+    import torch
+
+    if not torch.accelerator.is_available():
+        torch.accelerator.synchronize = lambda device=None: None
+    trainer.get_local_rank = lambda: "cpu"
+    setup_trainer = trainer.Trainer.setup_trainer
+    train_epoch = trainer.Trainer.train_epoch
+
+    def setup_on_cpu(self) -> None:  # runs right after __init__ chose the autocast device type
+        self.device_type = "cpu"
+        setup_trainer(self)
+
+    def train_epoch_within_budget(self, epoch: int, **kwargs) -> None:
+        if self.config.max_steps is not None and self.global_step >= self.config.max_steps:
+            return
+        train_epoch(self, epoch, **kwargs)
+
+    trainer.Trainer.setup_trainer = setup_on_cpu
+    trainer.Trainer.train_epoch = train_epoch_within_budget
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        from speculators.train.cli import main as train
+        from speculators.train.config import TrainConfig
+    except ImportError as err:
+        sys.exit(f"speculators is not installed ({err}); install it: pip install --no-deps speculators==0.9.0 "
+                 "hs-connectors==0.9.0 (scripts/setup.sh does)")
+    run_on_cpu()
+    train(TrainConfig.resolve(argv))
+
+
+if __name__ == "__main__":
+    main()
