@@ -70,14 +70,14 @@ def write_rows(cfg, out: Path) -> dict:
     rows = tokenized.select_columns(["input_ids", "loss_mask"])
     train, held_out = split_by_conversation(tokenize_dataset(rows, tokenizer, cfg.data.max_length),
                                             cfg.data.eval_fraction, cfg.seed)
-    ids = train["input_ids"] + held_out["input_ids"]
-    mask = train["loss_mask"] + held_out["loss_mask"]
+    ids = list(train["input_ids"]) + list(held_out["input_ids"])
+    mask = list(train["loss_mask"]) + list(held_out["loss_mask"])
     # The split depends on the rows' contents, not their order: the reordered rows must split the same way.
     import datasets
 
     again, _ = split_by_conversation(tokenize_dataset(datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask}),
                                                       tokenizer, cfg.data.max_length), cfg.data.eval_fraction, cfg.seed)
-    if again["input_ids"] != train["input_ids"]:
+    if list(again["input_ids"]) != list(train["input_ids"]):
         sys.exit("the reordered rows split differently; the two trainers would not see the same rows")
     write_speculators_states(target, tokenizer, ids, mask, out, target_layer_ids=cfg.heads.aux_layers)
     lengths = [len(r) for r in train["input_ids"]]
@@ -85,15 +85,23 @@ def write_rows(cfg, out: Path) -> dict:
             "train_tokens": sum(lengths), "max_row_tokens": max(lengths)}
 
 
-def peer_epochs(data: Path, train_rows: int, total_seq_len: int, steps: int, seed: int) -> tuple[int, int]:
-    """Epochs the peer needs for `steps` steps, and its batches per epoch, from its own packing sampler."""
+def peer_packing(data: Path, train_rows: int, tokens_per_step: float, steps: int, seed: int) -> tuple[int, int, int]:
+    """The peer's batch size in tokens whose packed batches hold `tokens_per_step` tokens on average, as ours do (its
+    sampler packs whole rows, so a batch of up to L tokens holds fewer), with the epochs it needs for `steps` steps
+    and its batches per epoch, all from its own packing sampler."""
     import datasets
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     lengths = datasets.load_from_disk(str(data)).with_format(None)["seq_len"][:train_rows]
-    batches = len(MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=lengths,
-                                                     num_replicas=1, rank=0, seed=seed))
-    return math.ceil(steps / batches), batches
+
+    def batches(limit: int) -> int:
+        return len(MultipackDistributedBatchSamplerV2(batch_max_length=limit, lengths=lengths, num_replicas=1,
+                                                      rank=0, seed=seed))
+
+    limit = max(max(lengths), round(tokens_per_step))
+    while sum(lengths) / batches(limit) < tokens_per_step:
+        limit += 16
+    return limit, math.ceil(steps / batches(limit)), batches(limit)
 
 
 def draft_vocab_files(ours: Path, out: Path) -> tuple[Path, Path]:
@@ -174,11 +182,11 @@ def main(argv: list[str] | None = None) -> None:
 
     d2t, t2d = draft_vocab_files(ours / "final", out / "vocab")
     # The peer packs rows into batches of up to total_seq_len tokens; ours takes batch_size rows. Equal tokens per
-    # step on average: batch_size times the mean training row.
-    total_seq_len = max(rows["max_row_tokens"], round(cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]))
-    epochs, batches = peer_epochs(data, rows["train_rows"], total_seq_len, args.steps, cfg.seed)
-    summary["tokens_per_step"] = {"ours": cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"],
-                                  "peer": rows["train_tokens"] / batches}
+    # step on average.
+    ours_tokens = cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]
+    total_seq_len, epochs, batches = peer_packing(data, rows["train_rows"], ours_tokens, args.steps, cfg.seed)
+    summary["tokens_per_step"] = {"ours": ours_tokens, "peer": rows["train_tokens"] / batches,
+                                  "peer_total_seq_len": total_seq_len}
     peer = out / "peer"
     if peer_checkpoint(peer) is None:
         ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
