@@ -25,6 +25,7 @@ from specheads.inference.engine.proposer import (
     Proposer,
     drafts_together,
     finish,
+    finished,
     fork,
     propose_rows,
 )
@@ -505,6 +506,7 @@ class Engine:
         """Free a finished sequence's row; the last running row moves into it."""
         moved = self._cache.remove_row(seq.row)
         self._running.remove(seq)
+        finished(seq.proposer, seq.tokens[: seq.n])
         finish(seq.proposer)
         if moved is not None:
             mover = next(s for s in self._running if s.row == moved)

@@ -63,6 +63,16 @@ def finish(proposer: Proposer) -> None:
         done()
 
 
+def finished(proposer: Proposer, tokens: torch.Tensor) -> None:
+    """Tell `proposer` its sequence ended by decoding, with its whole text `tokens` [T] (prompt, then output; an
+    optional `on_finished(tokens)`). The last step's tokens never reach `on_verified` (nothing is drafted after them),
+    so a proposer that keeps what its sequences produced (suffix decoding's cache of answers) reads them here. A
+    sequence dropped mid-way (`Engine.abort`) is not finished: only `finish` hears of it."""
+    done = getattr(proposer, "on_finished", None)
+    if done is not None:
+        done(tokens)
+
+
 def drafts_together(proposers: Sequence[Proposer]) -> bool:
     """Whether these rows' proposers are of one class that drafts rows together (a static
     `propose_many(proposers, ctxs)`, e.g. heads whose forwards batch)."""

@@ -67,6 +67,57 @@ class NgramConfig:
 DEFAULT_LOOKUP = NgramConfig(min_ngram=1, num_candidates=1, depth=8, max_nodes=8)
 
 
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Suffix decoding's settings: the `suffix` method's, and those of the suffix tree grafted onto heads' trees."""
+
+    max_depth: int = 8  # draft levels
+    # Nodes per tree (root excluded), and at most `factor` per matched token: a long match drafts a big tree, a
+    # one-token match one node (SuffixDecoding's adaptive size). The node budget then keeps what pays here.
+    max_tree_nodes: int = 16
+    factor: float = 1.0
+    min_prob: float = 0.1  # drafted nodes' least estimated probability of being followed
+    max_match: int = 16  # the longest suffix of the context matched (the trees are max_match + max_depth deep)
+    cache_tokens: int = 16384  # finished answers held for every request (0: none)
+    isolate: bool = False  # draft only from the request's own text: no answer of another request is read or kept
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1 or self.max_tree_nodes < 1 or self.max_match < 1:
+            raise ValueError("suffix decoding needs max_depth, max_tree_nodes and max_match >= 1, got "
+                             f"{self.max_depth}, {self.max_tree_nodes}, {self.max_match}")
+        if not self.factor > 0:
+            raise ValueError(f"--factor must be > 0 (nodes drafted per matched token), got {self.factor}")
+        if not 0 <= self.min_prob <= 1:
+            raise ValueError(f"--min-prob must be in [0, 1], got {self.min_prob}")
+        if self.cache_tokens < 0:
+            raise ValueError(f"--cache-tokens must be >= 0 (0: no cache of finished answers), got {self.cache_tokens}")
+
+    @property
+    def tree_depth(self) -> int:
+        """How deep the suffix trees are: a full-length match still has `max_depth` tokens to draft below it."""
+        return self.max_match + self.max_depth
+
+    @property
+    def shares(self) -> bool:
+        """Whether rows draft from a cache of other requests' answers."""
+        return self.cache_tokens > 0 and not self.isolate
+
+
+# Grafted onto heads' trees: one continuation's worth of nodes per `--lookup`, as prompt lookup's.
+DEFAULT_SUFFIX_GRAFT = SuffixConfig(max_tree_nodes=8)
+
+ISOLATE_HELP = ("1: draft only from the request's own prompt and output, never from other requests' answers (no "
+                "shared cache is read or kept: for tenants who must not see each other's text); default 0")
+
+
+GRAFTS = ("ngram", "suffix")  # what heads methods graft onto their trees; the first is the default
+
+
+def check_isolate(isolate: int | None) -> None:
+    if isolate not in (None, 0, 1):
+        raise ValueError(f"--isolate takes 0 or 1, got {isolate}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class HeadsOptions:
     """Options every method drafting from trained heads takes; a kind's options extend these."""
@@ -74,16 +125,25 @@ class HeadsOptions:
     heads: str | None = option("trained heads: a training run's final/ folder, a speculators or SGLang EAGLE-3 folder, "
                                "or a Hub repo id of one")
     lookup: int | None = option(f"prompt-lookup continuations grafted onto the heads' tree (default "
-                                f"{DEFAULT_LOOKUP.num_candidates}; 0 = the heads alone)")
+                                f"{DEFAULT_LOOKUP.num_candidates}; 0 = the heads alone; with --graft suffix, "
+                                f"{DEFAULT_SUFFIX_GRAFT.max_tree_nodes} suffix-tree nodes each)")
+    graft: str | None = option(f"{', '.join(GRAFTS)}: what --lookup grafts onto the heads' tree: prompt lookup "
+                               "(default) or suffix decoding's tree over the request and earlier answers")
+    isolate: int | None = option(ISOLATE_HELP)
     node_budget: str | None = option(NODE_BUDGET_HELP)
     draft_dtype: str | None = option(DRAFT_DTYPE_HELP)
 
     def __post_init__(self) -> None:
         check_node_budget(self.node_budget)
         check_draft_dtype(self.draft_dtype)
+        check_isolate(self.isolate)
         if self.lookup is not None and self.lookup < 0:
             raise ValueError(f"--lookup must be >= 0 (prompt-lookup continuations grafted onto the tree; 0 turns it "
                              f"off), got {self.lookup}")
+        if self.graft is not None and self.graft not in GRAFTS:
+            raise ValueError(f"unknown --graft {self.graft!r}; use one of: {', '.join(GRAFTS)}")
+        if self.isolate is not None and self.graft != "suffix":
+            raise ValueError("--isolate applies to --graft suffix (prompt lookup reads only the request's own text)")
         if self.heads is not None and not Path(self.heads).is_dir():  # before any model loads
             if not looks_like_repo_id(self.heads):
                 raise ValueError(f"heads folder {self.heads} does not exist; pass the final/ folder of a training run "

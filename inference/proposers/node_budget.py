@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.engine.proposer import ProposalContext, Proposer, finish, fork, propose_rows
+from specheads.inference.engine.proposer import ProposalContext, Proposer, finish, finished, fork, propose_rows
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.options import NODE_BUDGETS, check_node_budget
@@ -184,6 +184,9 @@ class WithNodeBudget:
 
     def finish(self) -> None:
         finish(self.inner)
+
+    def on_finished(self, tokens: torch.Tensor) -> None:
+        finished(self.inner, tokens)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self._verified = None

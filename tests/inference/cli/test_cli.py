@@ -49,12 +49,12 @@ def test_generate_questions_writes_jsonl(tiny_model_dir, questions_file, tmp_pat
 
 def test_same_greedy_output_for_every_method(tiny_model_dir, questions_file, tmp_path, capsys):
     outputs = {}
-    for method, extra in [("ar", []), ("ngram", []), ("draft", ["--draft", "early-exit:1"])]:
+    for method, extra in [("ar", []), ("ngram", []), ("suffix", []), ("draft", ["--draft", "early-exit:1"])]:
         out_path = tmp_path / f"{method}.jsonl"
         assert main(["generate", "--target", str(tiny_model_dir), "--method", method, *extra, "--questions",
                      str(questions_file), "--turn", "2", "--max-new-tokens", "10", "--output", str(out_path)]) == 0
         outputs[method] = [json.loads(line)["output_ids"] for line in out_path.read_text().splitlines()]
-    assert outputs["ar"] == outputs["ngram"] == outputs["draft"]
+    assert outputs["ar"] == outputs["ngram"] == outputs["suffix"] == outputs["draft"]
 
 
 def test_prompt_streams_text_and_prints_stats(tiny_model_dir, capsys):

@@ -10,12 +10,14 @@ from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.inference import Engine
 from specheads.inference.bench.method_spec import parse_methods
 from specheads.inference.methods import METHODS, make_proposer
+from specheads.inference.methods.options import DEFAULT_SUFFIX_GRAFT
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.eagle import EagleProposer
 from specheads.inference.proposers.lookup import DEFAULT_LOOKUP, WithPromptLookup
 from specheads.inference.proposers.medusa import MEDUSA_TREES, MedusaProposer
 from specheads.inference.proposers.ngram import find_matches
 from specheads.inference.proposers.node_budget import WithNodeBudget
+from specheads.inference.proposers.suffix import SuffixProposer
 from tests.conftest import random_eagle_head, repetitive_prompt, start_proposer, tiny_model
 from tests.inference.proposers.test_medusa_proposer import random_heads
 
@@ -107,3 +109,27 @@ def test_bench_specs_take_a_lookup_suffix(tmp_path, monkeypatch):
                          ("ar+lookup=0", r"ar has no option 'lookup' \(its options: none\)")):
         with pytest.raises(ValueError, match=message):
             parse_methods(bad)
+
+
+def test_the_suffix_graft_drafts_earlier_answers_onto_the_heads_tree(target, tmp_path):
+    save_drafter(tmp_path, random_heads(target, num_heads=2), TargetInfo.from_model(target, "tiny"))
+    medusa = METHODS.get("medusa")
+
+    def proposer(**values):
+        return make_proposer("medusa", target, medusa.make_options({"heads": str(tmp_path), "node_budget": "fixed",
+                                                                     "graft": "suffix", **values}), None)
+
+    grafted = proposer()
+    assert isinstance(grafted, WithPromptLookup) and isinstance(grafted.lookup, SuffixProposer)
+    assert grafted.config.max_tree_nodes == DEFAULT_SUFFIX_GRAFT.max_tree_nodes and grafted.lookup.cache is not None
+    assert grafted.fork().lookup.cache is grafted.lookup.cache  # rows share the answers
+    isolated = proposer(isolate=1, lookup=2)
+    assert isolated.lookup.cache is None and isolated.config.max_tree_nodes == 2 * DEFAULT_SUFFIX_GRAFT.max_tree_nodes
+
+    prompt = repetitive_prompt(seed=4)
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW).output_ids
+    engine = Engine(target, grafted)
+    first = engine.generate(prompt, max_new_tokens=MAX_NEW)
+    again = engine.generate(prompt, max_new_tokens=MAX_NEW)  # the first answer is grafted onto the heads' trees
+    assert first.output_ids == again.output_ids == plain
+    assert again.stats.tau > max(first.stats.tau, 4.0), (first.stats.tau, again.stats.tau)

@@ -167,13 +167,13 @@ class Skipping(AlwaysSpeculate):
 def _proposer(method: str, target, tmp_path):
     if method == "draft":
         return DraftModelProposer(perturbed_copy(target, 0.02))
-    if method == "ngram":
+    if method in ("ngram", "suffix"):
         return make_proposer(method, target, METHODS.get(method).make_options({}), None)
     save_case(method, target, tmp_path)
     return proposer_for(method, target, tmp_path, {})
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", *sorted(DRAFTERS)])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", *sorted(DRAFTERS)])
 def test_rows_stay_exact_when_steps_skip_the_proposer(method, target, tmp_path):
     policy = Skipping()
     engine = Engine(target, _proposer(method, target, tmp_path), max_rows=3, speculation=policy)

@@ -173,6 +173,39 @@ def test_seeded_sampling_is_reproducible(server):
     assert draws[0] == draws[1]
 
 
+def test_requests_to_one_server_share_the_suffix_cache(target, tokenizer):
+    """Suffix decoding's cache of answers lives with the engine: a request drafts a finished one's answer, whichever
+    row either was decoded in."""
+    proposer = make_proposer("suffix", target, METHODS.get("suffix").make_options({"node_budget": "fixed"}), None)
+    live = LiveServer(Engine(target, proposer, max_rows=2), tokenizer, stops=[], max_tokens=64)  # 40 tokens each
+
+    def reference(prompt: str, max_new_tokens: int) -> str:
+        ids = list(tokenizer(prompt)["input_ids"])
+        return tokenizer.decode(Engine(target, AutoregressiveProposer()).generate(
+            ids, max_new_tokens=max_new_tokens).output_ids, skip_special_tokens=True)
+
+    try:
+        client, prompt = live.client(), prompt_text(13)
+        want = reference(prompt, 40)
+        accepted = []
+        for _ in range(2):
+            before = live.metric("spec_decode_num_accepted_tokens_total")
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+            assert out.choices[0].text == want and out.usage.completion_tokens == 40
+            accepted.append(live.metric("spec_decode_num_accepted_tokens_total") - before)
+        assert len(proposer.cache) == 2  # both answers, held by the engine's one cache
+        assert accepted[1] >= 30 and accepted[1] > accepted[0], accepted  # the repeat drafted the first answer
+
+        with ThreadPoolExecutor(2) as pool:  # two rows at once: each a fork, all sharing the cache
+            texts = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=16,
+                                                                      temperature=0).choices[0].text,
+                                  [prompt_text(14), prompt_text(15)]))
+        assert texts == [reference(p, 16) for p in (prompt_text(14), prompt_text(15))]
+        assert len(proposer.cache) == 4
+    finally:
+        live.close()
+
+
 # --- failures that must not cost the request ------------------------------------------------------------------------
 
 
