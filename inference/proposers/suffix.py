@@ -17,8 +17,10 @@ requests (its law never changes).
 
 The suffix trees are ours, in Python: arctic-inference (Snowflake's implementation, which vLLM uses) ships only as a
 source distribution whose build pulls torch and a C++ toolchain through CMake, with custom ops for vLLM beside the
-suffix tree, far from the two-command set-up this project keeps. The trees here hold up to a few tens of thousands
-of tokens, where a step's matching takes well under a millisecond against tens of milliseconds of verify forward.
+suffix tree, far from the two-command set-up this project keeps. At the default sizes the Python trees cost little
+beside a CPU verify forward (tens of milliseconds): on a busy 2-core CPU, with the cache full (16384 tokens, 290k
+nodes, 23 MB) and a 1000-token prompt, a step's draft took 1.2 ms (median), starting the request 24 ms, and holding a
+finished 256-token answer (evictions included) 29 ms.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Why this structure, and not a suffix automaton (which matches arbitrarily long s
    eviction would rebuild it.
 3. Counts are plain occurrence counts at every node, where an automaton needs them propagated along suffix links.
 
-The price is memory: up to `depth` nodes per token held (CPython: about 72 bytes each), shared wherever texts repeat.
+The price is memory: up to `depth` nodes per token held (CPython: about 80 bytes each), shared wherever texts repeat.
 Path compression (arctic-inference's C++ tree) makes it one node per token at the cost of splitting edges on
 insertion and re-pointing them on removal; the cache's token bound keeps this one small instead (docs/decoding.md).
 """
