@@ -79,6 +79,19 @@ def _dflash(target: nn.Module) -> nn.Module:
     return perturbed(DFlashHead(config, target), scale=0.05).to(target.device).eval()
 
 
+def _dspark(target: nn.Module, **settings: Any) -> nn.Module:
+    from specheads.heads.dspark import DSparkConfig, DSparkHead
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = DSparkConfig(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2, 3), num_layers=2, block_size=4,
+                          draft_vocab=tuple(range(3, 80)), mask_token_id=vocab - 1, markov_rank=8, **settings)
+    head = perturbed(DSparkHead(config, target), scale=0.05)
+    with torch.no_grad():  # a Markov bias that changes drafts (a fresh one is zero)
+        head.markov_head.markov_w2.weight.normal_(std=4.0, generator=torch.Generator().manual_seed(1))
+    return head.to(target.device).eval()
+
+
 @dataclass(frozen=True)
 class DrafterCase:
     make: Callable[[nn.Module], nn.Module]  # untrained heads of the kind for a tiny target, on its device
@@ -94,6 +107,8 @@ DRAFTERS: dict[str, DrafterCase] = {
     "peagle": DrafterCase(_peagle, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "dflash": DrafterCase(_dflash, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
+                                    {"draft_dtype": "int8", "lookup": 0}]),
+    "dspark": DrafterCase(_dspark, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),

@@ -24,9 +24,10 @@ from tests.test_families import FAMILIES
 SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")
 
 # Tensors of a Llama-family target's layers that the Llama layers of a loader cannot hold, by the heads' layer type:
-# Qwen3's per-head q/k norms, which speculators' Qwen3 layers hold but SGLang's Llama layers do not. DFlash heads
-# have layers of their own (speculators' Qwen3 DFlash layer), which every family fits.
+# Qwen3's per-head q/k norms, which speculators' Qwen3 layers hold but SGLang's Llama layers do not. Block drafters
+# (DFlash, DSpark) have layers of their own (speculators' Qwen3 DFlash layer), which every family fits.
 UNHELD = {("qwen3", "sglang"): "self_attn.q_norm.weight"}
+OWN_LAYERS = ("dflash", "dspark")
 
 
 def layer_type(arch: str) -> str:
@@ -37,7 +38,7 @@ def layer_type(arch: str) -> str:
 
 def unheld(arch: str, fmt: str, kind: str) -> str | None:
     """The tensor the export of `kind` heads of an `arch` target to `fmt` is refused for; None where it writes."""
-    return None if kind == "dflash" or fmt == "vllm-medusa" else UNHELD.get((layer_type(arch), fmt))
+    return None if kind in OWN_LAYERS or fmt == "vllm-medusa" else UNHELD.get((layer_type(arch), fmt))
 
 
 def named_layer_type(arch: str) -> str:
@@ -110,7 +111,8 @@ def check_vllm_medusa(arch, target, heads, config):
 
 # What each exporter's config must name for its engine (an exporter without an entry fails the matrix).
 NAMES = {("speculators", "eagle3"): check_speculators, ("speculators", "peagle"): check_speculators,
-         ("speculators", "dflash"): check_speculators, ("sglang", "eagle3"): check_sglang_eagle3,
+         ("speculators", "dflash"): check_speculators, ("speculators", "dspark"): check_speculators,
+         ("sglang", "eagle3"): check_sglang_eagle3,
          ("sglang", "eagle"): check_sglang_eagle, ("vllm-medusa", "medusa"): check_vllm_medusa}
 
 
@@ -135,9 +137,15 @@ def test_an_export_whose_layers_the_engine_cannot_hold_is_refused_naming_the_ten
 def test_speculators_loads_every_familys_export_and_drafts_the_same_logits(family, kind, tmp_path):
     pytest.importorskip("speculators", reason="install with: pip install --no-deps speculators==0.9.0 "
                                               "hs-connectors==0.9.0 (scripts/setup.sh does)")
-    from tests.specheads.formats import test_dflash_interop, test_eagle3_interop, test_peagle_interop
+    from tests.specheads.formats import (
+        test_dflash_interop,
+        test_dspark_interop,
+        test_eagle3_interop,
+        test_peagle_interop,
+    )
 
-    peers = {"eagle3": test_eagle3_interop, "peagle": test_peagle_interop, "dflash": test_dflash_interop}
+    peers = {"eagle3": test_eagle3_interop, "peagle": test_peagle_interop, "dflash": test_dflash_interop,
+             "dspark": test_dspark_interop}
     arch, target, _ = family
     heads, _ = exported(family, "speculators", kind, tmp_path)
     theirs, want = peers[kind].export_logits(tmp_path / "out", heads, target)

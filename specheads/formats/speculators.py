@@ -1,8 +1,9 @@
 """speculators' layouts (what vLLM serves), as far as several kinds share them: the fused chain head's (eagle3 and
-peagle, `specheads.heads.fused_chain`), the vocabulary mappings and the version every speculators export writes.
+peagle, `specheads.heads.fused_chain`), the block drafter's (dflash and dspark, `specheads.heads.block_drafter`),
+the vocabulary mappings and the version every speculators export writes.
 
-A kind's own file registers its exporter and importer (`specheads.formats.eagle3`, `.peagle`, `.dflash`) and
-adds what is its own: the config keys, extra tensors, and how its block is recorded (`block_speculative_tokens`).
+A kind's own file registers its exporter and importer (`specheads.formats.eagle3`, `.peagle`, `.dflash`, `.dspark`)
+and adds what is its own: the config keys, extra tensors, and how its block is recorded (`block_speculative_tokens`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from specheads.formats.base import (
     layer_shapes,
     write_folder,
 )
+from specheads.heads.block_drafter import BlockDrafterConfig
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.draft_vocab import draft_vocab_from_d2t, speculators_mappings
 from specheads.heads.fused_chain import FusedChainConfig
@@ -122,8 +124,10 @@ def write_speculators_layout(cfg: FusedChainConfig, state: Mapping[str, torch.Te
     return write_folder(folder, config, state)
 
 
-def draft_vocabulary_from_state(state: dict[str, torch.Tensor], vocab_size: int) -> tuple[int, ...] | None:
-    """Pop d2t/t2d; the draft vocabulary they describe, with the LM head's rows sorted by target id to match."""
+def draft_vocabulary_from_state(state: dict[str, torch.Tensor], vocab_size: int,
+                                draft_rows: tuple[str, ...] = ()) -> tuple[int, ...] | None:
+    """Pop d2t/t2d; the draft vocabulary they describe, with the LM head's rows (and those of `draft_rows`, other
+    tensors with a row per draft token) sorted by target id to match."""
     state.pop("t2d", None)
     d2t = state.pop("d2t", None)
     if d2t is None:
@@ -136,7 +140,8 @@ def draft_vocabulary_from_state(state: dict[str, torch.Tensor], vocab_size: int)
         raise ValueError(f"its draft vocabulary ({ids.numel()} tokens) is larger than the target vocabulary "
                          f"({vocab_size})")
     order = ids.argsort()
-    state["lm_head.weight"] = state["lm_head.weight"][order]
+    for name in ("lm_head.weight", *draft_rows):
+        state[name] = state[name][order]
     return tuple(ids[order].tolist())
 
 
@@ -176,3 +181,89 @@ def read_speculators_layout(folder: Path, meta: Mapping[str, Any], state: dict[s
     return imported_chain(folder, f"speculators {config_cls.KIND}", lc, state,
                           meta.get("eagle_aux_hidden_state_layer_ids"), num_target_layers, verifier, config_cls,
                           **flags, **fields)
+
+
+def block_names(cfg: BlockDrafterConfig, lc: Any) -> dict[str, tuple[int, ...]]:
+    """Tensors speculators' block drafters load (speculators/models/dflash/core.py, DFlashDraftModel.__init__, and
+    model_definitions.py, Qwen3DFlashDecoderLayer; vLLM reads the same names), ours under the same names."""
+    h, n = cfg.hidden_size, len(cfg.aux_layers)
+    names = {"fc.weight": (h, n * h), "hidden_norm.weight": (h,), "norm.weight": (h,),
+             "lm_head.weight": (cfg.draft_vocab_size, h), "embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        names |= layer_shapes(f"layers.{i}.", lc, input_width=h, qk_norm=True)
+    if cfg.draft_vocab is not None:
+        names |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
+    return names
+
+
+def write_block_layout(cfg: BlockDrafterConfig, state: Mapping[str, torch.Tensor], folder: Path, ctx: ExportContext,
+                       *, architecture: str, setting: str,
+                       extra_names: Mapping[str, tuple[int, ...]] | None = None,
+                       extra_config: Mapping[str, Any] | None = None) -> list[str]:
+    """A block drafter (`cfg.KIND`) in speculators' layout: its tensors, the vocabulary mappings and the target's
+    embedding (as the eagle3 export carries it), checked by name and shape, and the config: `block_size`,
+    `aux_hidden_state_layer_ids`, `mask_token_id`, `sample_from_anchor` (whether the anchor's slot drafts), and
+    `speculative_tokens` = the tokens a forward drafts (`setting` says which, for the refusal of more)."""
+    lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
+    state = {**state, **vocab_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
+    drafted = block_speculative_tokens(ctx, cfg.drafted, cfg.KIND, setting)
+    check_export(state, {**block_names(cfg, lc), **(extra_names or {})}, f"speculators {cfg.KIND} (vLLM)")
+    config = {
+        "architectures": [architecture],
+        "speculators_model_type": cfg.KIND,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": speculators_block(cfg.KIND, drafted, ctx),
+        # The bias our attention builds, named even where the target's config names none (Qwen2's): speculators'
+        # Qwen3DFlashDecoderLayer reads it whatever the layer type.
+        "transformer_layer_config": {**layer_config_dict(ctx.target_config, cfg.num_layers, cfg.layer),
+                                     "attention_bias": bool(getattr(lc, "attention_bias", False))},
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": cfg.first_slot == 0,
+        "tie_word_embeddings": False,
+        **(extra_config or {}),
+    }
+    return write_folder(folder, config, state)
+
+
+def read_block_layout(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],
+                      num_target_layers: int | None, config_cls: type[BlockDrafterConfig],
+                      draft_rows: tuple[str, ...] = (), **fields: Any) -> Checkpoint:
+    """A speculators export of a block drafter (`config_cls`, given its own `fields`; `draft_rows` its tensors with a
+    row per draft token besides the LM head) as our checkpoint."""
+    layout = f"speculators {config_cls.KIND}"
+    lc = meta.get("transformer_layer_config") or {}
+    if meta.get("target_hidden_size") not in (None, lc.get("hidden_size")):
+        raise ValueError(f"{folder} ({layout}): a draft hidden size ({lc.get('hidden_size')}) other than the target's "
+                         f"({meta['target_hidden_size']}) is not supported")
+    for key in ("mask_token_id", "aux_hidden_state_layer_ids"):
+        if meta.get(key) is None:
+            raise ValueError(f"{folder} ({layout}) names no {key}; set the one it was trained with in its config.json")
+    if num_target_layers is not None:
+        missing = [k for k in meta["aux_hidden_state_layer_ids"] if not 0 < int(k) < num_target_layers]
+        if missing:
+            raise ValueError(f"{folder} ({layout}) reads target layers {missing}, which a {num_target_layers}-layer "
+                             f"target does not have (hidden_states 1..{num_target_layers - 1}); it was trained for "
+                             "another target")
+    for name in FOREIGN_ONLY:
+        state.pop(name, None)
+    vocab_size = int(lc["vocab_size"])
+    if "lm_head.weight" not in state:
+        raise ValueError(f"{folder} ({layout}) has no lm_head.weight (a full-vocabulary drafter reusing its verifier's "
+                         "head); export it with its own LM head")
+    try:
+        cfg = config_cls(hidden_size=int(lc["hidden_size"]), vocab_size=vocab_size,
+                         aux_layers=tuple(meta["aux_hidden_state_layer_ids"]),
+                         num_layers=int(lc.get("num_hidden_layers", 1)), block_size=int(meta.get("block_size", 8)),
+                         mask_token_id=int(meta["mask_token_id"]),
+                         draft_vocab=draft_vocabulary_from_state(state, vocab_size, draft_rows),
+                         layer={k: lc[k] for k in LAYER_FIELDS if k in lc}, **fields)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"{folder} ({layout}): {err}") from None
+    verifier = ((meta.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "unknown"
+    target = foreign_target(verifier, lc["hidden_size"], vocab_size, lc.get("model_type"))
+    return Checkpoint(folder, cfg.KIND, asdict(cfg), target, state, {"imported_from": layout})

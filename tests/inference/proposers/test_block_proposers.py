@@ -1,6 +1,6 @@
-"""The block drafters (`peagle`, `dflash`): the tree built from a block's distributions, one drafter forward per
-step for every row (each over its own context), the block's limit on depth, and checkpoints of another kind refused
-by name."""
+"""The block drafters (`peagle`, `dflash`, `dspark`): the tree built from a block's distributions, one drafter
+forward per step for every row (each over its own context), the block's limit on depth, and checkpoints of another
+kind refused by name."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from specheads.inference.proposers.block_tree import block_tree
 from tests.conftest import repetitive_prompt, tiny_model
 from tests.drafters import proposer_for, save_case
 
-BLOCK_KINDS = {"peagle": "draft blocks of 4 tokens; use --depth 4 or less",  # kind: its refusal of --depth 5
-               "dflash": "fills blocks of 4 .* use --depth 3 or less"}
+# kind: a depth past its block, and its refusal of it
+BLOCK_KINDS = {"peagle": (5, "draft blocks of 4 tokens; use --depth 4 or less"),
+               "dflash": (4, "fills blocks of 4 .* use --depth 3 or less"),
+               "dspark": (5, "fills blocks of 4 .* use --depth 4 or less")}
+CONTEXT_KINDS = ("dflash", "dspark")  # their context: every committed token but the last, projected or still pending
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_one_forward_drafts_every_rows_block(kind, target, tmp_path):
             engine.step()
             assert len(calls) == 1 and calls[0][0] == 3  # one forward, three rows of different lengths
             assert all(1 <= int(s.tree.depths.max()) <= 4 for s in seqs)
-            if kind == "dflash":  # its context: every committed token but the last, projected or still pending
+            if kind in CONTEXT_KINDS:
                 assert all(s.proposer._length + len(s.proposer._pending) == s.n - 1 for s in seqs)
     finally:
         handle.remove()
@@ -65,8 +68,9 @@ def test_one_forward_drafts_every_rows_block(kind, target, tmp_path):
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 def test_depth_is_limited_to_the_block(kind, target, tmp_path):
     save_case(kind, target, tmp_path / "heads")
-    with pytest.raises(ValueError, match=BLOCK_KINDS[kind]):
-        proposer_for(kind, target, tmp_path / "heads", {"depth": 5 if kind == "peagle" else 4})
+    too_deep, refusal = BLOCK_KINDS[kind]
+    with pytest.raises(ValueError, match=refusal):
+        proposer_for(kind, target, tmp_path / "heads", {"depth": too_deep})
     shallow = proposer_for(kind, target, tmp_path / "heads", {"depth": 2, "lookup": 0, "node_budget": "fixed"})
     engine = Engine(target, shallow)
     seq = engine.add(repetitive_prompt(), max_new_tokens=16)

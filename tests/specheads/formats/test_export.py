@@ -294,7 +294,8 @@ def test_the_hub_stub_refuses_malformed_requests():
         assert commit.status_code == 400 and not hub.repos["org/x"]["files"]
 
 
-@pytest.mark.parametrize("kind,block", [("peagle", 4), ("dflash", 3)])  # tests.drafters: num_depths 4, block_size 4
+# tests.drafters: num_depths 4, block_size 4 (dspark drafts from its anchor's slot too)
+@pytest.mark.parametrize("kind,block", [("peagle", 4), ("dflash", 3), ("dspark", 4)])
 def test_speculative_tokens_of_block_drafters_are_honoured_up_to_the_block_and_refused_past_it(kind, block, target_dir,
                                                                                                tmp_path):
     target, target_path = target_dir
