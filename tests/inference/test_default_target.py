@@ -11,6 +11,7 @@ from specheads.inference import Engine
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
 from specheads.inference.proposers.ngram import NgramProposer
+from specheads.inference.proposers.suffix import SuffixProposer
 from specheads.questions import Question
 
 pytestmark = pytest.mark.slow
@@ -43,6 +44,7 @@ def test_every_method_reproduces_hf_greedy_on_the_default_target(default_target)
     engines = {
         "ar": Engine(model, AutoregressiveProposer()),
         "ngram": Engine(model, NgramProposer()),
+        "suffix": Engine(model, SuffixProposer()),  # from the second prompt on, also the earlier answers
         "early-exit:8": Engine(model, DraftModelProposer(early_exit_model(model, 8), DraftConfig(depth=3, width=2))),
     }
     drafted = 0

@@ -10,6 +10,7 @@ from specheads.inference import Engine, SamplingParams
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
 from specheads.inference.proposers.ngram import NgramProposer
+from specheads.inference.proposers.suffix import SuffixProposer
 from tests.conftest import repetitive_prompt, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.gpu
 def proposers(target):
     yield "ar", AutoregressiveProposer()
     yield "ngram", NgramProposer()
+    yield "suffix", SuffixProposer()
     yield "early-exit", DraftModelProposer(early_exit_model(target, 2), DraftConfig(depth=3, width=2))
 
 
