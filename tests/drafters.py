@@ -108,7 +108,8 @@ DRAFTERS: dict[str, DrafterCase] = {
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "dflash": DrafterCase(_dflash, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
-    "dspark": DrafterCase(_dspark, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
+    # a shallower depth: tests/inference/proposers/test_block_proposers.py
+    "dspark": DrafterCase(_dspark, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
