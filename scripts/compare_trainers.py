@@ -14,7 +14,9 @@ user of each would run it. The phases:
 5. the peer: `scripts/speculators_train_cpu.py` (speculators' trainer, two settings made from the outside so it
    runs on a CPU; named in that script) on the same files, its train/validation boundary at our split's, its
    batches packed to the tokens of our batch of conversations -> OUT/peer/<epoch>;
-6. one interleaved `specheads bench` run of `ar` and both drafters, each drafting alone (`+lookup=0`) -> OUT/bench.
+6. one interleaved `specheads bench` run of `ar` and both drafters, each drafting alone (`+lookup=0`) and verifying
+   its whole tree (`+node_budget=fixed`: the default budget cuts a tree to what pays on the machine, so τ would
+   measure the machine as much as the drafter) -> OUT/bench.
 
 Each phase is skipped when its output is there, so an interrupted run resumes. OUT/summary.json holds the
 settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the table.
@@ -206,12 +208,13 @@ def main(argv: list[str] | None = None) -> None:
     peer_final = peer_checkpoint(peer)
 
     if not (out / "bench" / "summary.json").is_file():
-        methods = ["ar", f"eagle3:{ours / 'final'}+lookup=0", f"eagle3:{peer_final}+lookup=0"]
+        methods = ["ar", *(f"eagle3:{path}+lookup=0+node_budget=fixed" for path in (ours / "final", peer_final))]
         run([str(Path(PYTHON).parent / "specheads"), "bench", "--target", cfg.target, "--dtype", args.dtype,
              "--methods", ",".join(methods), "--questions", args.questions, "--per-category", str(args.per_category),
              "--max-new-tokens", str(args.max_new_tokens), "--no-plots", "--output", str(out / "bench")],
             out / "bench.log")
-    summary["methods"] = {"ours": f"eagle3:{ours / 'final'}+lookup=0", "peer": f"eagle3:{peer_final}+lookup=0"}
+    summary["methods"] = {"ours": f"eagle3:{ours / 'final'}+lookup=0+node_budget=fixed",
+                          "peer": f"eagle3:{peer_final}+lookup=0+node_budget=fixed"}
     save()
     log(f"done: {out / 'bench' / 'summary.md'}, {summary_path}")
     print((out / "bench" / "summary.md").read_text())
