@@ -270,12 +270,18 @@ def check_sampling_preserves_the_target_distribution(kind: str, folder: Path, ro
         # Whole trees: two-token generations leave a node budget too few steps to learn that drafts pay here,
         # and the test needs many accepted drafts for its power. Which nodes are verified never matters to the law.
         options["node_budget"] = "fixed"
-    engine = Engine(target, proposer_for(kind, target, folder, options), max_rows=rows)
+    check_engine_keeps_the_law(Engine(target, proposer_for(kind, target, folder, options), max_rows=rows), target,
+                               label=kind)
+
+
+def check_engine_keeps_the_law(engine: Engine, target: nn.Module, samples: int = SAMPLES, label: str = "") -> None:
+    """`engine`'s first two sampled tokens after COUNTING_PROMPT pass a chi-square test against `target`'s exact law,
+    with enough drafts accepted to matter, and fail it under a verifier that keeps a rejected draft (the control)."""
     law = exact_two_token_law(target, COUNTING_PROMPT, PARAMS)
-    counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
-    assert accepted > SAMPLES // 4, (f"{kind}: {accepted} draft tokens accepted in {SAMPLES} generations; too few "
+    counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, samples)
+    assert accepted > samples // 4, (f"{label}: {accepted} draft tokens accepted in {samples} generations; too few "
                                      "to test")
-    assert chi_square_p(counts, law) > 1e-3, (kind, counts)
+    assert chi_square_p(counts, law) > 1e-3, (label, counts)
     with patch.object(engine_mod, "verify", _verify_keeping_a_rejected_draft):
-        broken, _ = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
-    assert chi_square_p(broken, law) < 1e-6, (kind, broken)
+        broken, _ = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, samples)
+    assert chi_square_p(broken, law) < 1e-6, (label, broken)

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from unittest.mock import patch
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import specheads.inference.engine.engine as engine_mod
 from specheads.inference import Engine
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.proposers import AutoregressiveProposer
@@ -20,14 +18,9 @@ from specheads.inference.proposers.parallel_draft import ParallelDraftProposer, 
 from specheads.train.distill import DistillSettings, build_drafter, distill_step_loss, with_placeholder
 from tests.conftest import TINY_VOCAB, repetitive_prompt, start_proposer, tiny_model
 from tests.drafters import (
-    COUNTING_PROMPT,
-    PARAMS,
     SAMPLES,
-    _verify_keeping_a_rejected_draft,
     bigram_target,
-    chi_square_p,
-    exact_two_token_law,
-    first_two_tokens,
+    check_engine_keeps_the_law,
 )
 
 
@@ -80,14 +73,8 @@ def test_sampling_preserves_the_target_distribution():
         drafter.lm_head.weight.add_(torch.randn(drafter.lm_head.weight.shape,
                                                 generator=torch.Generator().manual_seed(0)) * 0.02)
     engine = Engine(target, ParallelDraftProposer(drafter, parallel_spec(drafter.config)))
-    law = exact_two_token_law(target, COUNTING_PROMPT, PARAMS)
-    samples = SAMPLES // 2  # drafts are accepted ~9 times in 10 here: the control is still rejected at p < 1e-12
-    counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, samples)
-    assert samples // 4 < accepted, accepted
-    assert chi_square_p(counts, law) > 1e-3, counts
-    with patch.object(engine_mod, "verify", _verify_keeping_a_rejected_draft):
-        broken, _ = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, samples)
-    assert chi_square_p(broken, law) < 1e-6, broken
+    # drafts are accepted ~9 times in 10 here: at half the samples the control is still rejected at p < 1e-12
+    check_engine_keeps_the_law(engine, target, samples=SAMPLES // 2)
 
 
 def test_a_drafter_trained_on_a_constructed_case_drafts_k_sequential_target_tokens_in_one_forward():

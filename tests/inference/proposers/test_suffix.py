@@ -10,7 +10,6 @@ from collections import Counter
 import pytest
 import torch
 
-import specheads.inference.engine.engine as engine_mod
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.proposer import AutoregressiveProposer, ProposalContext
 from specheads.inference.engine.sampling import SamplingParams
@@ -22,14 +21,8 @@ from specheads.inference.proposers.suffix_cache import SuffixCache
 from specheads.inference.proposers.suffix_tree import DraftLimits, SuffixTree
 from tests.conftest import repetitive_prompt
 from tests.drafters import (
-    COUNTING_PROMPT,
-    PARAMS,
-    SAMPLES,
-    _verify_keeping_a_rejected_draft,
     bigram_target,
-    chi_square_p,
-    exact_two_token_law,
-    first_two_tokens,
+    check_engine_keeps_the_law,
 )
 
 LIMITS = DraftLimits(max_nodes=16, max_depth=8, factor=1.0, min_prob=0.0, max_match=16)
@@ -195,15 +188,8 @@ def test_plain_steps_between_drafts_reach_the_requests_tree():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_sampled_rows_keep_the_targets_law(monkeypatch):
+def test_sampled_rows_keep_the_targets_law():
     """Chi-square of the first two sampled tokens against the target's law (tests/drafters.py), with drafts from the
     request and from every earlier generation's answer; a verifier that keeps a rejected draft fails it."""
     target = bigram_target()
-    engine = Engine(target, suffix(target, node_budget="fixed"), max_rows=4)
-    law = exact_two_token_law(target, COUNTING_PROMPT, PARAMS)
-    counts, accepted = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
-    assert accepted > SAMPLES // 4, accepted
-    assert chi_square_p(counts, law) > 1e-3, counts
-    monkeypatch.setattr(engine_mod, "verify", _verify_keeping_a_rejected_draft)
-    broken, _ = first_two_tokens(engine, COUNTING_PROMPT, PARAMS, SAMPLES)
-    assert chi_square_p(broken, law) < 1e-6, broken
+    check_engine_keeps_the_law(Engine(target, suffix(target, node_budget="fixed"), max_rows=4), target)
