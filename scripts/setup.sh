@@ -42,8 +42,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
     "$python" -m pip install -q "torch==2.13.0"
 fi
 
-echo "==> installing specheads with extras train, serve, bench, dev"
-"$python" -m pip install -q "${pins[@]}" -e ".[train,serve,bench,dev]"
+echo "==> installing specheads with extras train, serve, bench, structured, dev"
+"$python" -m pip install -q "${pins[@]}" -e ".[train,serve,bench,structured,dev]"
 
 # speculators (vLLM's drafter format) is what the interop tests check exports and imports against. Its own pins
 # (transformers<=5.19, torchvision, ...) are not needed for loading and running drafters on CPU, hence --no-deps

@@ -13,6 +13,9 @@ class Question:
     question_id: int | str
     category: str
     turns: tuple[str, ...]
+    # The structure its answer must have, as an OpenAI request's `response_format` (data/structured.jsonl's JSON
+    # questions); methods benched with `+structured=1` decode under it.
+    response_format: dict | None = None
 
 
 def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
@@ -50,7 +53,11 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
                 if taken.get(category, 0) >= per_category:
                     continue
                 taken[category] = taken.get(category, 0) + 1
-            questions.append(Question(row["question_id"], category, tuple(turns)))
+            response_format = row.get("response_format")
+            if response_format is not None and not isinstance(response_format, dict):
+                raise ValueError(f"{path}:{lineno}: \"response_format\" must be an object, as in an OpenAI request "
+                                 '(e.g. {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})')
+            questions.append(Question(row["question_id"], category, tuple(turns), response_format))
             if limit is not None and len(questions) >= limit:
                 break
     if not questions:

@@ -256,3 +256,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+BYTE_VOCAB = 259  # <unk>, <s>, </s>, then one token per byte
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (one token per byte, id = byte + 3; no merges, no downloads) that grammar engines can
+    read: any text, JSON included, tokenizes, and the tiny targets' logits cover it with `vocab=BYTE_VOCAB`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shown = dict(zip(printable, map(chr, printable)))
+    others = [b for b in range(256) if b not in shown]
+    shown.update({b: chr(256 + i) for i, b in enumerate(others)})  # the byte-level alphabet GPT-2 defined
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{shown[b]: 3 + b for b in range(256)}}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")

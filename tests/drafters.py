@@ -180,12 +180,12 @@ def check_strict_loader(kind: str, target: nn.Module, folder: Path) -> None:
 
 
 @torch.no_grad()
-def bigram_target(arch: str = "llama", scale: float = 0.04) -> nn.Module:
+def bigram_target(arch: str = "llama", scale: float = 0.04, **config: Any) -> nn.Module:
     """A tiny target that mostly continues x with x + 1: every layer's output projections are zeroed (each layer
     passes the residual through), so the logits after x are the LM head applied to x's normed embedding, and row
     j of the LM head is the normed embedding of j - 1. Sampling from it follows counting runs that prompt lookup
     can draft, so speculative sampling accepts draft tokens often."""
-    model = tiny_model(arch)
+    model = tiny_model(arch, **config)  # `config`: tiny_config settings (e.g. vocab)
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight.zero_()
         layer.mlp.down_proj.weight.zero_()
@@ -197,8 +197,10 @@ def bigram_target(arch: str = "llama", scale: float = 0.04) -> nn.Module:
 COUNTING_PROMPT = list(range(10, 30)) + list(range(10, 20))  # ends at 19; "17 18 19" was followed by 20, 21, ...
 
 
-def first_two_tokens(engine: Engine, prompt: list[int], params: SamplingParams, n: int) -> tuple[Counter, int]:
-    """(x1, x2) of `n` generations, each with its own seed; and the draft tokens accepted over them.
+def first_two_tokens(engine: Engine, prompt: list[int], params: SamplingParams, n: int,
+                     per_sequence: Callable[[], dict[str, Any]] = dict) -> tuple[Counter, int]:
+    """(x1, x2) of `n` generations, each with its own seed (and `Engine.add` arguments from `per_sequence()`, e.g. a
+    grammar); and the draft tokens accepted over them.
 
     The prefill step samples x1 with nothing drafted; the next step drafts from x1 on, so x2 is what the verifier
     committed (an accepted draft token or a residual sample); three tokens leave it room to draft."""
@@ -206,7 +208,7 @@ def first_two_tokens(engine: Engine, prompt: list[int], params: SamplingParams, 
     accepted = 0
     for start in range(0, n, engine.max_rows):  # with several rows, generations are decoded together
         seqs = [engine.add(prompt, max_new_tokens=3, sampling=SamplingParams(
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed))
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed), **per_sequence())
             for seed in range(start, min(start + engine.max_rows, n))]
         while any(not s.done for s in seqs):
             engine.step()

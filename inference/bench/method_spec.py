@@ -4,7 +4,8 @@ A spec is an engine method of `specheads.inference.methods.METHODS` (`ar`, `ngra
 `draft:early-exit:N`, each drafter kind as `KIND:HEADS_DIR`; a method with named trees takes an optional `@TREE`
 suffix to run the same heads with another tree, and `+OPTION=VALUE` suffixes set any of the method's options,
 e.g. `+lookup=0` for the heads alone or `+draft_dtype=int8`; every engine method also takes `+compile=1` or `+compile=0`
-to run with or without `--compile` whatever the run's flag, so the two compare in one interleaved run) or a
+to run with or without `--compile` whatever the run's flag, so the two compare in one interleaved run, and
+`+structured=1` to decode each question under its `response_format`, a grammar: structured outputs) or a
 transformers baseline: `hf` (`generate`),
 `hf-static` (`generate` with a static KV cache and its decode step compiled by `torch.compile`), `hf-assisted:PATH`
 (assisted generation with a draft model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Each engine
@@ -23,7 +24,7 @@ BASELINES = ("hf", "hf-assisted", "hf-pld", "hf-static")
 # "KIND:DIR+lookup=0+draft_dtype=int8": trailing option settings (the value may not contain "+" or "@")
 _OPTION_SUFFIX = re.compile(r"\+([a-z][a-z0-9_-]*)=([^+@]*)$")
 # suffixes every engine method takes: how the engine runs the target, not an option of the method
-ENGINE_SETTINGS = ("compile",)
+ENGINE_SETTINGS = ("compile", "structured")
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
 
 
@@ -40,6 +41,7 @@ class MethodSpec:
     lookup: int | None = None  # prompt-lookup continuations from a "+lookup=N" suffix (None: the method's default)
     settings: tuple[tuple[str, str], ...] = ()  # every "+OPTION=VALUE" suffix, as written
     compile: bool | None = None  # from a "+compile=0|1" suffix (None: the run's --compile)
+    structured: bool = False  # "+structured=1": decode each question under its response_format (a grammar)
     options: Any = None  # the engine method's options (None for the HF baselines)
 
 
@@ -88,6 +90,7 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
         arg = arg[: suffix.start()]
     settings = dict(reversed(found))
     compile = _flag(name, "compile", settings.pop("compile")) if "compile" in settings else None
+    structured = _flag(name, "structured", settings.pop("structured")) if "structured" in settings else False
     if m.arg is None and arg:
         if unknown := _OPTION_SUFFIX.search(arg):  # no path to hide in: any suffix left names an unknown option
             takes = ", ".join(f.name for f in fields(m.options)) or "none"
@@ -108,7 +111,7 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
     return MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=values.get("lookup"),
-                      settings=tuple(settings.items()), compile=compile, options=options)
+                      settings=tuple(settings.items()), compile=compile, structured=structured, options=options)
 
 
 def _flag(name: str, key: str, text: str) -> bool:

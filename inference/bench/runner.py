@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import CompileConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -23,7 +23,9 @@ from transformers.generation.streamers import BaseStreamer
 from specheads.gemm_layout import plain_linears
 from specheads.inference.bench.diagnosis import RejectionLog
 from specheads.inference.bench.method_spec import PLD_TOKENS, MethodSpec
+from specheads.inference.engine.constraint import GrammarConstraint
 from specheads.inference.engine.engine import Engine
+from specheads.inference.engine.grammar import grammar_from_request
 from specheads.inference.engine.proposer import Proposer
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.stats import GenerationStats
@@ -52,14 +54,25 @@ class Runner(Protocol):
 class _EngineRunner:
     measures_tau = True
 
-    def __init__(self, engine: Engine, log: RejectionLog | None = None) -> None:
+    def __init__(self, engine: Engine, log: RejectionLog | None = None, tokenizer: Any = None) -> None:
         self.engine = engine
         self.log = log  # its steps' first rejections (`--diagnose`), or None
+        self.tokenizer = tokenizer  # set for `+structured=1`: each question's response_format becomes a grammar
+
+    @property
+    def structured(self) -> bool:
+        return self.tokenizer is not None
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
-                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
+                 stop_token_ids: list[int], response_format: dict | None = None) -> tuple[list[int], GenerationStats]:
+        constraint = None
+        if response_format is not None:
+            grammar = grammar_from_request({"response_format": response_format})
+            if grammar is not None:
+                constraint = GrammarConstraint(grammar, self.tokenizer, vocab_size=self.engine.vocab_size,
+                                               stop_token_ids=stop_token_ids)
         res = self.engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                                   stop_token_ids=stop_token_ids)
+                                   stop_token_ids=stop_token_ids, constraint=constraint)
         return res.output_ids, res.stats
 
 
@@ -166,11 +179,13 @@ class _HFStaticGenerate(_HFGenerate):
 
 
 def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader,
-                  diagnose: bool = False, step: str = "auto", compile: bool = False) -> dict[str, Runner]:
+                  diagnose: bool = False, step: str = "auto", compile: bool = False,
+                  tokenizer: Any = None) -> dict[str, Runner]:
     """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
     `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`).
     Every engine method runs the target forward `step` and `compile` set (`Engine`'s arguments); a method's own
-    `+compile=` suffix overrides `compile`."""
+    `+compile=` suffix overrides `compile`. A `+structured=1` method decodes under each question's response_format,
+    through `tokenizer` (which it needs)."""
     runners: dict[str, Runner] = {}
     for spec in specs:
         if spec.method == "hf":
@@ -190,7 +205,9 @@ def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: 
             log = RejectionLog() if diagnose else None
             engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log,
                             step=step, compile=compile if spec.compile is None else spec.compile)
-            runners[spec.name] = _EngineRunner(engine, log)
+            if spec.structured and tokenizer is None:
+                raise ValueError(f"{spec.name}: +structured=1 needs the target's tokenizer (build_runners tokenizer=)")
+            runners[spec.name] = _EngineRunner(engine, log, tokenizer if spec.structured else None)
     return runners
 
 
@@ -208,6 +225,7 @@ class Record:
     first_mismatch: int | None = None  # first output position that differs from ar's
     margin_fp32: float | None = None  # there, the target's fp32 logit gap between ar's token and this one
     # (divergence.py)
+    structured: bool = False  # decoded under the question's response_format (`+structured=1`)
 
 
 WARMUP_NEW_TOKENS = 32
@@ -246,8 +264,10 @@ def run_bench(
         if log is not None:
             log.category = q.category
         # Every method draws with the question's own seed, so methods compare on equal randomness.
+        extra = {"response_format": q.response_format} if getattr(runners[name], "structured", False) else {}
         return runners[name].generate(prompt, max_new_tokens=new_tokens,
-                                      sampling=sampling.for_draw(q.question_id, turn), stop_token_ids=stop_token_ids)
+                                      sampling=sampling.for_draw(q.question_id, turn), stop_token_ids=stop_token_ids,
+                                      **extra)
 
     reserving = [r for r in runners.values() if hasattr(r, "reserve")]
     if reserving and questions:
@@ -267,7 +287,8 @@ def run_bench(
             for t in range(turns):
                 prompt = render_chat(tokenizer, q.turns[: t + 1], history)
                 ids, stats = gen(name, prompt, q, t + 1)
-                yield Record(q.question_id, q.category, t + 1, name, prompt, ids, stats, runner.measures_tau)
+                yield Record(q.question_id, q.category, t + 1, name, prompt, ids, stats, runner.measures_tau,
+                             structured=bool(getattr(runner, "structured", False)) and q.response_format is not None)
                 history.append(tokenizer.decode(ids, skip_special_tokens=True))
 
 
@@ -290,10 +311,12 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 
 def mark_exactness(records: list[Record], reference: str = "ar") -> None:
-    """Set matches_ar / first_mismatch on every record whose (question, turn) also has a `reference` record."""
-    refs = {(r.question_id, r.turn): r for r in records if r.method == reference}
+    """Set matches_ar / first_mismatch on every record whose (question, turn) also has a `reference` record; records
+    decoded under a grammar compare with `reference` decoded under it (`ar+structured=1`)."""
+    refs = {(r.question_id, r.turn, r.structured): r for r in records
+            if r.method == reference or (r.structured and r.method == f"{reference}+structured=1")}
     for r in records:
-        ref = refs.get((r.question_id, r.turn))
+        ref = refs.get((r.question_id, r.turn, r.structured))
         if ref is not None:
             r.first_mismatch = first_mismatch(r.output_ids, ref.output_ids)
             r.matches_ar = r.first_mismatch is None

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> None:
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = shared.load_model(args)
     runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose,
-                            step=args.step, compile=args.compile)
+                            step=args.step, compile=args.compile, tokenizer=tokenizer)
 
     # 3. Run, then report; in greedy runs every divergence from ar gets the fp32 margin at which it happened.
     records, interrupted = bench_run.collect(

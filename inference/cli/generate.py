@@ -29,6 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=1, metavar="N",
                    help="draw N answers per question (or prompt), recorded with their sample index; "
                         "needs --temperature > 0")
+    form = p.add_argument_group("structured outputs (exact with respect to the target masked by the grammar)")
+    shape = form.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, metavar="FILE",
+                       help="every answer is a JSON document this schema (a JSON file) accepts")
+    shape.add_argument("--regex", metavar="PATTERN", help="every answer matches this regular expression")
+    shape.add_argument("--structured", action="store_true",
+                       help="each question's own response_format (a questions file's field, e.g. "
+                            "data/structured.jsonl) constrains its answer")
     shared.add_model_settings(p)
     shared.add_output(p, help="write one JSON object per answer to this JSONL file")
 
@@ -57,6 +65,9 @@ def run(args: argparse.Namespace) -> None:
         check_distinct_ids(questions, args.questions)  # seeded streams are keyed by question id
     if args.turn == 2 and questions is not None and any(len(q.turns) < 2 for q in questions):
         raise ValueError(f"--turn 2 needs two turns per question; {args.questions} has single-turn questions")
+    if args.structured and questions is None:
+        raise ValueError("--structured reads each question's response_format: it needs --questions FILE")
+    grammar = _grammar(args)  # a bad schema or pattern fails before the model loads
     out_file = _open_output(args.output)  # fail now, not after minutes of generation
 
     model, tokenizer = shared.load_model(args)
@@ -64,6 +75,17 @@ def run(args: argparse.Namespace) -> None:
                     compile=args.compile)
     settings = dict(num_turns=args.turn, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     stop_token_ids=stop_token_ids(tokenizer, model))
+
+    def constraint_for(response_format: dict | None = None):
+        """A fresh grammar state per generation (None: unconstrained)."""
+        from specheads.inference.engine.constraint import GrammarConstraint
+        from specheads.inference.engine.grammar import grammar_from_request
+
+        g = grammar_from_request({"response_format": response_format}) if response_format else grammar
+        if g is None:
+            return None
+        return lambda: GrammarConstraint(g, tokenizer, vocab_size=engine.vocab_size,
+                                         stop_token_ids=settings["stop_token_ids"])
 
     def record(question_id, sample: int, result, text: str) -> None:
         if out_file is not None:
@@ -74,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
         if questions is None:
             for k in range(args.num_samples):
                 result, text = answer(engine, tokenizer, [args.prompt], question_id=None, sample=k,
-                                      on_tokens=_StreamPrinter(tokenizer), **settings)
+                                      on_tokens=_StreamPrinter(tokenizer), constraint=constraint_for(), **settings)
                 print(file=sys.stdout, flush=True)
                 print(json.dumps(result.stats.to_dict()), file=sys.stderr)
                 record(None, k, result, text)
@@ -82,7 +104,9 @@ def run(args: argparse.Namespace) -> None:
         taus, speeds = [], []
         for q in tqdm(questions, desc=f"{args.method}", unit="q", file=sys.stderr):
             for k in range(args.num_samples):
-                result, text = answer(engine, tokenizer, q.turns, question_id=q.question_id, sample=k, **settings)
+                made = constraint_for(q.response_format if args.structured else None)
+                result, text = answer(engine, tokenizer, q.turns, question_id=q.question_id, sample=k,
+                                      constraint=made, **settings)
                 taus.append(result.stats.tau)
                 speeds.append(result.stats.tokens_per_s)
                 record(q.question_id, k, result, text)
@@ -91,6 +115,22 @@ def run(args: argparse.Namespace) -> None:
             out_file.close()
     print(f"{args.method}: {len(questions)} questions x {args.num_samples} samples, "
           f"mean tau {sum(taus) / len(taus):.3f}, mean {sum(speeds) / len(speeds):.2f} tok/s", file=sys.stderr)
+
+
+def _grammar(args: argparse.Namespace):
+    """The grammar `--json-schema` or `--regex` asks for (None without either)."""
+    from specheads.inference.engine.grammar import json_schema_grammar, regex_grammar
+
+    if args.regex is not None:
+        grammar = regex_grammar(args.regex)
+    elif args.json_schema is not None:
+        if not args.json_schema.is_file():
+            raise ValueError(f"--json-schema {args.json_schema} does not exist; pass a JSON file holding the schema")
+        grammar = json_schema_grammar(args.json_schema.read_text())
+    else:
+        return None
+    grammar.check()
+    return grammar
 
 
 def _open_output(path: Path | None):

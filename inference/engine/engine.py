@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
+from specheads.inference.engine.constraint import GrammarConstraint
 from specheads.inference.engine.layer_attention import LayerAttention, layer_attention
 from specheads.inference.engine.lean_forward import LeanForward, target_forward
 from specheads.inference.engine.proposer import (
@@ -206,6 +207,7 @@ class Sequence:
     row: int = -1  # its row in the cache, once prefilled
     policy: RowState = field(default_factory=RowState)  # what the engine's speculation policy keeps for it
     failed: tuple[str, Exception] | None = None  # its proposer failed after the last step: the next one is plain
+    constraint: GrammarConstraint | None = None  # a grammar its output follows (structured outputs), shaping its trees
 
     @property
     def done(self) -> bool:
@@ -273,6 +275,7 @@ class Engine:
         stop_token_ids: Iterable[int] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
         should_stop: Callable[[], str | None] | None = None,
+        constraint: GrammarConstraint | None = None,
     ) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt; `on_tokens` receives each step's new tokens, and
         `should_stop`, asked after each step, ends the generation with the finish reason it returns (e.g. a
@@ -284,11 +287,14 @@ class Engine:
            policy makes it plain), verify it in one target forward, commit the accepted path in the cache,
            hand the result to the proposer.
         3. Stop at a stop token (kept in the output), max_new_tokens, or the model's context length.
+
+        With `constraint` (`constraint.py`), every step's tree and logits follow its grammar: the output is that of
+        plain decoding of the target masked by the grammar, and its end tokens stop the sequence too.
         """
         if self._running or self._waiting:
             raise RuntimeError("generate decodes alone; this engine has sequences in flight (use add and step)")
         seq = self.add(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
-                       on_tokens=on_tokens, should_stop=should_stop)
+                       on_tokens=on_tokens, should_stop=should_stop, constraint=constraint)
         while not seq.done:
             self.step()
         return seq.result()
@@ -302,6 +308,7 @@ class Engine:
         stop_token_ids: Iterable[int] = (),
         on_tokens: Callable[[list[int]], None] | None = None,
         should_stop: Callable[[], str | None] | None = None,
+        constraint: GrammarConstraint | None = None,
     ) -> Sequence:
         """Queue a sequence; it is prefilled at the first `step` with a free row. Arguments as `generate`."""
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
@@ -323,8 +330,9 @@ class Engine:
         tokens[:n_prompt] = prompt
         in_use = [s.proposer for s in self._running + self._waiting]
         proposer = self.proposer if not any(p is self.proposer for p in in_use) else fork(self.proposer)
+        stops = {int(t) for t in stop_token_ids} | set(constraint.end_tokens if constraint is not None else ())
         seq = Sequence(proposer=proposer, sampling=sampling, generator=sampling.generator(self.device),
-                       stops={int(t) for t in stop_token_ids}, tokens=tokens, n_prompt=n_prompt, n=n_prompt,
+                       stops=stops, constraint=constraint, tokens=tokens, n_prompt=n_prompt, n=n_prompt,
                        limit=limit, length_limited=length_limited, on_tokens=on_tokens, should_stop=should_stop,
                        started=time.perf_counter())
         self._waiting.append(seq)
@@ -353,6 +361,7 @@ class Engine:
                 finished.append(seq)
         if running:
             self._draft(running)
+            self._constrain(running)
             self.drafted_last_step = any(s.tree.size > 1 for s in running)
             self._verify_step(running)
             finished += [s for s in running if s.done]
@@ -385,6 +394,8 @@ class Engine:
         self.speculation.start(seq.policy)
         seq.hidden = tuple(h[:, -1:] for h in hidden) if hidden else None
         seq.tree = DraftTree.root_only(int(prompt[-1]))
+        if seq.constraint is not None:
+            seq.tree = seq.constraint.shape(seq.tree, max_depth=0)  # the prefill forward has no room for drafts
         cache.lengths[seq.row] = seq.n_prompt - 1  # the root's entry is committed with the step's path, as any root's
         self._advance(seq, out.logits[0, -1:], batch=1)
 
@@ -405,6 +416,8 @@ class Engine:
         """Verify `seq`'s tree against its logits [N, V], commit the accepted path and new tokens, and hand the
         result to the proposer unless the sequence finished."""
         tree, stats = seq.tree, seq.stats
+        if seq.constraint is not None:
+            logits = seq.constraint.mask_logits(tree, logits)
         result = verify(tree, logits, seq.sampling, seq.generator)
         self._cache.commit(seq.row, result.path)
         self.speculation.observe(seq.policy, batch, tree, result)
@@ -418,6 +431,8 @@ class Engine:
         if len(new) >= seq.limit - seq.n:
             new = new[: seq.limit - seq.n]
             stats.finish_reason = stats.finish_reason or ("length" if seq.length_limited else "context")
+        if seq.constraint is not None and not stats.finish_reason:
+            seq.constraint.commit(new)
         seq.tokens[seq.n : seq.n + len(new)] = torch.tensor(new, dtype=torch.long)
         seq.n += len(new)
         seq.output.extend(new)
@@ -432,8 +447,11 @@ class Engine:
             stats.wall_s = time.perf_counter() - seq.started
             return
         told = time.perf_counter()
+        hidden = seq.hidden
+        if seq.constraint is not None:  # the proposer reads the result in its own tree's nodes
+            result, hidden = seq.constraint.proposer_view(result, hidden)
         try:
-            seq.proposer.on_verified(result, seq.hidden)
+            seq.proposer.on_verified(result, hidden)
         except Exception as err:  # noqa: BLE001 - whatever the proposer's failure, its next step decodes plainly
             if self.fallback is None:
                 raise
@@ -481,6 +499,15 @@ class Engine:
         share = (time.perf_counter() - start) / len(rows)
         for seq in rows:
             seq.stats.draft_s += share
+
+    def _constrain(self, seqs: list[Sequence]) -> None:
+        """Shape the trees of rows with a grammar: forbidden deterministic drafts pruned, forced tokens drafted
+        (`constraint.py`); the time counts as drafting."""
+        for seq in seqs:
+            if seq.constraint is not None:
+                start = time.perf_counter()
+                seq.tree = seq.constraint.shape(seq.tree, seq.context().max_depth)
+                seq.stats.draft_s += time.perf_counter() - start
 
     def _propose_alone(self, seq: Sequence, ctx: ProposalContext) -> DraftTree:
         try:

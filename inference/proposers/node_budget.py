@@ -155,7 +155,8 @@ class NodeBudget:
         if self.calibration is None or tree.accept_probs is None or tree.size == 1:
             return
         accepted = torch.zeros(tree.size, dtype=torch.bool)
-        accepted[result.path.cpu()] = True
+        path = result.path.cpu()
+        accepted[path[path < tree.size]] = True  # nodes past the tree's end were added by the engine (forced tokens)
         self.calibration.observe(tree.accept_probs[1:], accepted[1:])
 
 

@@ -10,6 +10,11 @@ Bad requests get OpenAI's error shape (`{"error": {"message", "type", "param", "
 body without `prompt` or `messages` 422, a sampling setting out of range, an unknown model name or a prompt the
 context cannot hold 400, a body over the size limit 413, a full queue 429, and without the bearer token (when the
 server has an API key) 401. None of them disturbs requests in flight.
+
+Structured outputs: `response_format` (`json_object`, `json_schema`) and vLLM's `structured_outputs` (`json`,
+`regex`, `grammar`, `choice`) or `guided_*` fields constrain the answer to a grammar, on both endpoints, streamed or
+not, with speculation on (`engine/constraint.py`: exact with respect to the target masked by the grammar). A schema,
+regex or grammar that does not compile is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
+from specheads.inference.engine.constraint import GrammarConstraint
 from specheads.inference.engine.engine import Engine, GenerationResult
+from specheads.inference.engine.grammar import grammar_from_request
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.serve.metrics import ServerMetrics
 from specheads.inference.serve.service import GenerationService, Job, QueueFull, ServiceLimits
@@ -70,6 +77,13 @@ class _Request(BaseModel):
     echo: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Structured outputs (`engine/grammar.py`): OpenAI's field, vLLM's, and vLLM's older per-kind fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Request):
@@ -167,6 +181,7 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
         max_tokens = _max_tokens(body, chat, service.limits.max_tokens)
         sampling = _sampling(body)
         stops = _stop_strings(body.stop)
+        constraint = _constraint(body, tokenizer, service)
         if not prompt_ids:
             raise BadRequest("the prompt is empty", "prompt")
         if max_context is not None and len(prompt_ids) >= max_context:
@@ -186,7 +201,7 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
             loop.call_soon_threadsafe(events.put_nowait, ("done", result, err))
 
         job = Job(prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=sampling, on_tokens=on_tokens,
-                  on_done=on_done)
+                  on_done=on_done, constraint=constraint)
         try:
             service.submit(job)
         except QueueFull as err:
@@ -244,6 +259,26 @@ def _sampling(body: _Request) -> SamplingParams:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     except ValueError as err:
         raise BadRequest(str(err), str(err).split()[0]) from None
+
+
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
+                      "guided_choice")
+
+
+def _constraint(body: _Request, tokenizer: Any, service: GenerationService) -> GrammarConstraint | None:
+    """The request's grammar as a fresh per-request constraint (None without one); a bad one is a 400 naming it."""
+    fields = {k: getattr(body, k) for k in _CONSTRAINT_FIELDS if getattr(body, k) is not None}
+    if not fields:
+        return None
+    param = next(iter(fields))
+    try:
+        grammar = grammar_from_request(fields)
+        if grammar is None:  # response_format {"type": "text"}
+            return None
+        return GrammarConstraint(grammar, tokenizer, vocab_size=service.engine.vocab_size,
+                                 stop_token_ids=service.stop_token_ids)
+    except ValueError as err:
+        raise BadRequest(str(err), param) from None
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

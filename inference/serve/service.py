@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from specheads.inference.engine.constraint import GrammarConstraint
 from specheads.inference.engine.engine import Engine, GenerationResult
 from specheads.inference.engine.proposer import AutoregressiveProposer
 from specheads.inference.engine.sampling import SamplingParams
@@ -57,6 +58,7 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_s: float = 0.0  # from arrival to joining the batch
+    constraint: GrammarConstraint | None = None  # the request's grammar (structured outputs), or None
 
     def cancel(self) -> None:
         """End the job at its next step (or skip it while queued): its client is gone."""
@@ -178,7 +180,8 @@ class GenerationService:
         job.queued_s = time.monotonic() - job.arrived
         try:
             return self.engine.add(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
-                                   stop_token_ids=self.stop_token_ids, on_tokens=on_tokens, should_stop=should_stop)
+                                   stop_token_ids=self.stop_token_ids, on_tokens=on_tokens, should_stop=should_stop,
+                                   constraint=job.constraint)
         except ValueError as err:  # the server checks requests first; anything left fails this request alone
             job.on_done(None, err)
             return None
