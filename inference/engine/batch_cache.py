@@ -156,8 +156,9 @@ def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dty
     included) at lengths[b] + j; nothing else: not other rows' longer prefixes, not stale slots, not padding, not
     the slots a longer `span` adds. Padding queries (i >= the row's tree size) see only their own slot, so their
     softmax stays finite. Sliding-window layers (`attention`) see only the keys within their window; one mask per
-    layer type when the model's layers differ."""
-    width = max(t.size for t in trees)
+    layer type when the model's layers differ. A tree's extra rows (`extra_rows.py`) follow its nodes, seeing what its
+    `input_visible` marks."""
+    width = max(t.input_size for t in trees)
     total = span or max(lengths) + width
     new, real = _new_entries_visible(trees, width)
     visible = torch.zeros(len(trees), width, total, dtype=torch.bool)
@@ -169,7 +170,7 @@ def batch_tree_mask(trees: list[DraftTree], lengths: list[int], dtype: torch.dty
     queries = torch.tensor(lengths)[:, None].repeat(1, width)  # [B, W]: padding queries sit at the row's length
     keys = torch.arange(total).repeat(len(trees), 1)  # [B, S]: a committed slot holds its own position
     for b, (tree, length) in enumerate(zip(trees, lengths)):
-        queries[b, : tree.size] += tree.depths.cpu()
+        queries[b, : tree.input_size] += tree.input_depths.cpu()
         keys[b, length : length + width] = queries[b]  # node j's entry holds node j's position
     return attention.masks(visible, queries, keys, dtype, device)
 
@@ -206,7 +207,7 @@ def _new_entries_visible(trees: list[DraftTree] | None, width: int,
     new = torch.eye(width, dtype=torch.bool).repeat(len(trees), 1, 1)
     real = torch.zeros(len(trees), width, dtype=torch.bool)
     for b, tree in enumerate(trees):
-        n = tree.size
-        new[b, :n, :n] = tree.ancestors.cpu()
+        n = tree.input_size  # the nodes, then any extra rows
+        new[b, :n, :n] = tree.input_visible
         real[b, :n] = True
     return new, real

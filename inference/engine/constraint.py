@@ -170,26 +170,26 @@ class GrammarConstraint:
             accept_probs = tree.accept_probs[src].clone()
             for i in forced.nonzero().flatten().tolist():
                 accept_probs[i] = accept_probs[parents[i]]  # parents come first, so this chains down
+        # Extra rows (lookahead's window) see only the root and each other, so they survive the reshaping as they are.
         return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                          parents=torch.tensor(parents, dtype=torch.long, device=device),
-                         draft_probs=draft_probs, accept_probs=accept_probs)
+                         draft_probs=draft_probs, accept_probs=accept_probs, extra=tree.extra)
 
     def mask_logits(self, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [N, V] with each node's tokens outside its grammar state set to -inf (a new tensor)."""
+        """`logits` [N, V] with each node's tokens outside its grammar state set to -inf, in place (the engine's
+        slice of the forward's output, read by nothing else) and returned."""
         if tree is not self._shaped:
             self.shape(tree, max_depth=0)  # a tree the engine did not shape (cannot grow: depth 0)
             if self._shaped is not tree:
                 raise RuntimeError("the draft tree changed after the grammar shaped it; shape it once, then verify it")
         rows = [i for i, m in enumerate(self._masks) if m is not None]
-        allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
-        allowed[:, : self.vocab_size] = torch.stack([self._masks[i] for i in rows])[:, : logits.shape[-1]]
+        allowed = torch.ones(logits.shape, dtype=torch.bool)  # rows without a mask (forbidden sampled drafts): as is
+        allowed[rows, : self.vocab_size] = torch.stack([self._masks[i] for i in rows])[:, : logits.shape[-1]]
+        allowed[rows, self.vocab_size :] = False
         if not bool(allowed.any(dim=-1).all()):
             raise ValueError(f"the {self.grammar.kind} constraint allows no token here (a grammar that cannot "
                              "finish, or an end token the tokenizer lacks); check the constraint")
-        out = logits.clone()
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        out[index] = out[index].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return out
+        return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
     def commit(self, tokens: Iterable[int]) -> None:
         """Advance the grammar over tokens the verifier committed (an end token finishes the answer: not consumed)."""

@@ -63,12 +63,12 @@ def tree_forward(
     """One forward over all tree nodes on top of the cached prefix (positions = prefix + depth)."""
     device = model_device(model)
     prefix = cache.seq_length
-    tokens = tree.tokens.to(device)[None]
-    positions = (tree.depths.to(device) + prefix)[None]
+    tokens = tree.input_tokens.to(device)[None]
+    positions = (tree.input_depths.to(device) + prefix)[None]
     # A chain is exactly what the model's own causal mask expresses; only branching trees need ours (and every
     # forward of a model with sliding-window layers, whose full-length cache layers HF's masks do not window).
     attention = layer_attention(model.config)
-    mask = (None if tree.is_chain and not attention.windowed
+    mask = (None if tree.is_plain_chain and not attention.windowed
             else batch_tree_mask([tree], [prefix], model.dtype, device, attention=attention))
     return model(
         **cache_kwargs(model, cache),
@@ -88,22 +88,22 @@ def batch_forward(model: PreTrainedModel, cache: BatchKVCache, trees: list[Draft
     it (else read from its config)."""
     device = model_device(model)
     lengths = cache.lengths[first_row : first_row + len(trees)]
-    width = max(t.size for t in trees)
+    width = max(t.input_size for t in trees)  # a tree's nodes, then its extra rows (`extra_rows.py`)
     tokens = torch.zeros(len(trees), width, dtype=torch.long)
     positions = torch.zeros(len(trees), width, dtype=torch.long)
     for b, (tree, length) in enumerate(zip(trees, lengths)):
-        tokens[b, : tree.size] = tree.tokens.cpu()
-        positions[b, : tree.size] = tree.depths.cpu() + length
-        positions[b, tree.size :] = length  # padding: its outputs are never read
+        tokens[b, : tree.input_size] = tree.input_tokens.cpu()
+        positions[b, : tree.input_size] = tree.input_depths.cpu() + length
+        positions[b, tree.input_size :] = length  # padding: its outputs are never read
     window = cache.window(first_row, len(trees))
     if lean is not None:
-        lone_chain = len(trees) == 1 and trees[0].is_chain  # plain decoding: no tree to mask
+        lone_chain = len(trees) == 1 and trees[0].is_plain_chain  # plain decoding: no tree to mask
         return lean(tokens.to(device), positions.to(device), window, None if lone_chain else trees,
                     output_hidden_states=output_hidden_states)
     # A lone chain is what the model's own causal mask expresses (the forward of plain one-sequence decoding);
     # anything else needs ours, and so does every forward of a model with sliding-window layers.
     attention = attention or layer_attention(model.config)
-    lone_chain = len(trees) == 1 and trees[0].is_chain
+    lone_chain = len(trees) == 1 and trees[0].is_plain_chain
     mask = (None if lone_chain and not attention.windowed
             else batch_tree_mask(trees, lengths, model.dtype, device, attention=attention))
     return model(input_ids=tokens.to(device), position_ids=positions.to(device), attention_mask=mask,
@@ -178,7 +178,7 @@ def check_proposal(tree: DraftTree, ctx: ProposalContext, vocab_size: int) -> No
     if int(tree.tokens[0]) != int(ctx.tokens[-1]):
         raise ValueError(f"the tree's root is token {int(tree.tokens[0])}, not the last committed token "
                          f"{int(ctx.tokens[-1])}")
-    low, high = int(tree.tokens.min()), int(tree.tokens.max())
+    low, high = int(tree.input_tokens.min()), int(tree.input_tokens.max())  # extra rows' tokens are fed too
     if low < 0 or high >= vocab_size:
         raise ValueError(f"the tree holds token ids in [{low}, {high}], outside the target's vocabulary of "
                          f"{vocab_size}")
@@ -204,6 +204,7 @@ class Sequence:
     n: int = 0  # tokens committed (prompt included)
     tree: DraftTree | None = None  # the tree its next verify forward checks
     hidden: TargetHidden | None = None  # the target's hidden states over that forward's nodes (for on_verified)
+    extra_logits: torch.Tensor | None = None  # [E, V] the target's logits at that forward's extra rows (on_verified)
     row: int = -1  # its row in the cache, once prefilled
     policy: RowState = field(default_factory=RowState)  # what the engine's speculation policy keeps for it
     failed: tuple[str, Exception] | None = None  # its proposer failed after the last step: the next one is plain
@@ -410,12 +411,15 @@ class Engine:
         for b, seq in enumerate(seqs):
             n = seq.tree.size
             seq.hidden = tuple(h[b : b + 1, :n] for h in out.hidden_states) if needs_hidden else None
+            extra = seq.tree.extra  # its rows' logits go to the proposer, never to the verifier
+            seq.extra_logits = None if extra is None else out.logits[b, n : n + extra.size]
             self._advance(seq, out.logits[b, :n], batch=len(seqs))
 
     def _advance(self, seq: Sequence, logits: torch.Tensor, batch: int) -> None:
         """Verify `seq`'s tree against its logits [N, V], commit the accepted path and new tokens, and hand the
         result to the proposer unless the sequence finished."""
         tree, stats = seq.tree, seq.stats
+        extra_logits, seq.extra_logits = seq.extra_logits, None  # held for this step only
         if seq.constraint is not None:
             logits = seq.constraint.mask_logits(tree, logits)
         result = verify(tree, logits, seq.sampling, seq.generator)
@@ -450,6 +454,8 @@ class Engine:
         hidden = seq.hidden
         if seq.constraint is not None:  # the proposer reads the result in its own tree's nodes
             result, hidden = seq.constraint.proposer_view(result, hidden)
+        if extra_logits is not None:
+            result = replace(result, extra_logits=extra_logits)
         try:
             seq.proposer.on_verified(result, hidden)
         except Exception as err:  # noqa: BLE001 - whatever the proposer's failure, its next step decodes plainly

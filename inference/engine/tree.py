@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specheads.inference.engine.extra_rows import ExtraRows
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -25,6 +27,9 @@ class DraftTree:
     # The proposer's estimate that node i is accepted (it and all its ancestors), root 1; None: no estimate.
     # Only `NodeBudget` reads it, to choose how many nodes are worth verifying; it never affects acceptance.
     accept_probs: torch.Tensor | None = None  # [N] fp64 on CPU
+    # Rows the verify forward carries after the nodes, never candidates for acceptance (lookahead decoding's Jacobi
+    # window, `extra_rows.py`): the verifier ignores them and the engine hands their logits to the proposer.
+    extra: ExtraRows | None = None
     depths: torch.Tensor = field(init=False)  # [N] long; root has depth 0
     ancestors: torch.Tensor = field(init=False)  # [N, N] bool; ancestors[i, j]: j is i or an ancestor of i
 
@@ -92,6 +97,28 @@ class DraftTree:
         return self.tokens.shape[0]
 
     @property
+    def input_size(self) -> int:  # rows of its verify forward: the nodes, then any extra rows
+        return self.size if self.extra is None else self.size + self.extra.size
+
+    @property
+    def input_tokens(self) -> torch.Tensor:  # [input_size] long
+        return self.tokens if self.extra is None else torch.cat([self.tokens, self.extra.tokens.to(self.tokens.device)])
+
+    @property
+    def input_depths(self) -> torch.Tensor:  # [input_size] long; a row's position is the root's plus its depth
+        return self.depths if self.extra is None else torch.cat([self.depths, self.extra.depths.to(self.depths.device)])
+
+    @property
+    def input_visible(self) -> torch.Tensor:  # [input_size, input_size] bool on CPU: which inputs each input sees
+        if self.extra is None:
+            return self.ancestors.cpu()
+        n = self.size
+        out = torch.zeros(self.input_size, self.input_size, dtype=torch.bool)
+        out[:n, :n] = self.ancestors.cpu()  # a node never sees an extra row
+        out[n:] = self.extra.visible(n)
+        return out
+
+    @property
     def num_drafted(self) -> int:
         return self.size - 1
 
@@ -102,6 +129,10 @@ class DraftTree:
     @property
     def is_chain(self) -> bool:  # one child per node: in topological order, node i's parent is i - 1
         return torch.equal(self.parents.cpu(), torch.arange(-1, self.size - 1))
+
+    @property
+    def is_plain_chain(self) -> bool:  # a chain with no extra rows: the model's own causal mask expresses its forward
+        return self.extra is None and self.is_chain
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to `node`, inclusive."""
@@ -153,10 +184,15 @@ class DraftTree:
         device = self.tokens.device
         return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
                          parents=torch.tensor(parents, dtype=torch.long, device=device),
-                         accept_probs=torch.tensor(probs, dtype=torch.float64) if estimated else None)
+                         accept_probs=torch.tensor(probs, dtype=torch.float64) if estimated else None,
+                         extra=self.extra)
 
     def truncated(self, max_depth: int) -> DraftTree:
-        """The subtree of nodes at depth <= max_depth (keeps topological order)."""
+        """The subtree of nodes, and the extra rows, at depth <= max_depth (keeps topological order)."""
+        if self.extra is not None and int(self.extra.depths.max()) > max_depth:
+            tree = copy.copy(self)  # the same nodes and derived fields, fewer extra rows
+            object.__setattr__(tree, "extra", self.extra.up_to(max_depth))
+            return tree.truncated(max_depth)
         if self.max_depth <= max_depth:
             return self
         return self.subtree((self.depths <= max_depth).nonzero().squeeze(1))
@@ -172,4 +208,4 @@ class DraftTree:
         probs = None if self.draft_probs is None else self.draft_probs[keep.to(self.draft_probs.device)]
         accept = None if self.accept_probs is None else self.accept_probs[keep.cpu()]
         return DraftTree(tokens=self.tokens[keep.to(self.tokens.device)], parents=new_parents, draft_probs=probs,
-                         accept_probs=accept)
+                         accept_probs=accept, extra=self.extra)  # extra rows see only the root, always kept

@@ -18,6 +18,9 @@ from specheads.inference.engine.tree import DraftTree
 class VerifyResult:
     path: torch.Tensor  # [A+1] long; accepted node indices, starting with the root 0
     tokens: torch.Tensor  # [A+1] long; tokens to commit: the A accepted draft tokens, then the bonus token
+    # The target's logits at the tree's extra rows (`extra_rows.py`), set by the engine for the proposer; never
+    # read or set by verification
+    extra_logits: torch.Tensor | None = None  # [E, V]
 
     @property
     def num_accepted(self) -> int:

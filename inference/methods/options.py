@@ -106,6 +106,42 @@ class SuffixConfig:
 # Grafted onto heads' trees: one continuation's worth of nodes per `--lookup`, as prompt lookup's.
 DEFAULT_SUFFIX_GRAFT = SuffixConfig(max_tree_nodes=8)
 
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Lookahead decoding's settings (`lookahead` method): a Jacobi window of `window` columns and `ngram` - 1 levels
+    in the verify forward, n-grams of `ngram` tokens in its pool, up to `candidates` of them verified per step. A
+    verify forward carries (ngram - 1) * window - 1 window rows beside at most candidates * (ngram - 1) drafted
+    nodes, and on a CPU every row adds to its cost (a 16-row forward cost 1.5-2.5 one-token steps on the 2-core CPUs
+    measured): the defaults keep both small."""
+
+    window: int = 4  # W: future positions guessed in parallel
+    ngram: int = 3  # N: tokens per n-gram (the key token, then N - 1 drafted); the window keeps N - 1 levels
+    candidates: int = 3  # G: n-grams of the pool verified per step
+    prompt_pool: bool = True  # start the pool with the prompt's n-grams (repeated text drafts at once)
+    # Run the window only beside n-grams of the pool whose estimated acceptance pays for the wide forward on this
+    # machine, and take a plain step otherwise: on a CPU a forward of a few rows can cost twice a one-token step, so
+    # the window rides along on forwards the drafts pay for rather than making every step a wide one
+    # (docs/decoding.md measures both).
+    lazy_window: bool = True
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"--window must be >= 1 (future positions in the Jacobi window), got {self.window}")
+        if self.ngram < 3:
+            raise ValueError(f"--ngram must be >= 3 (a key token and at least two drafted), got {self.ngram}")
+        if self.candidates < 1:
+            raise ValueError(f"--candidates must be >= 1 (pool n-grams verified per step), got {self.candidates}")
+        if self.lazy_window and not self.prompt_pool:
+            raise ValueError("--prompt-pool 0 needs --lazy-window 0: a lazy window runs only beside the pool's drafts, "
+                             "so a pool started empty would never fill")
+
+    @property
+    def window_rows(self) -> int:
+        """Rows the Jacobi window adds to a verify forward (its first level's first column is the tree's root)."""
+        return (self.ngram - 1) * self.window - 1
+
+
 ISOLATE_HELP = ("1: draft only from the request's own prompt and output, never from other requests' answers (no "
                 "shared cache is read or kept: for tenants who must not see each other's text); default 0")
 

@@ -7,9 +7,10 @@ import torch
 
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods import METHODS, make_proposer
-from specheads.inference.methods.options import SuffixConfig
+from specheads.inference.methods.options import LookaheadConfig, SuffixConfig
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
+from specheads.inference.proposers.lookahead import LookaheadProposer
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 from specheads.inference.proposers.suffix import SuffixProposer
 from tests.conftest import perturbed_copy, repetitive_prompt
@@ -28,6 +29,8 @@ def proposers(target, arch):
     yield "ngram", NgramProposer(NgramConfig(min_ngram=1))  # random tiny models rarely repeat 2-grams
     yield "ngram-wide", NgramProposer(NgramConfig(num_candidates=5, depth=6, max_nodes=20, min_ngram=1))
     yield "suffix", SuffixProposer(SuffixConfig())
+    yield "lookahead", LookaheadProposer(LookaheadConfig())
+    yield "lookahead-every-step", LookaheadProposer(LookaheadConfig(window=5, ngram=4, candidates=4, lazy_window=False))
     draft = perturbed_copy(target, noise=0.05)
     yield "draft-chain", DraftModelProposer(draft, DraftConfig(depth=4), target_vocab_size=96)
     yield "draft-tree", DraftModelProposer(draft, DraftConfig(depth=3, width=3), target_vocab_size=96)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from specheads.inference import Engine, SamplingParams
+from specheads.inference.methods.options import LookaheadConfig
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
+from specheads.inference.proposers.lookahead import LookaheadProposer
 from specheads.inference.proposers.ngram import NgramProposer
 from specheads.inference.proposers.suffix import SuffixProposer
 from tests.conftest import repetitive_prompt, tiny_model
@@ -20,6 +22,7 @@ def proposers(target):
     yield "ar", AutoregressiveProposer()
     yield "ngram", NgramProposer()
     yield "suffix", SuffixProposer()
+    yield "lookahead", LookaheadProposer(LookaheadConfig(lazy_window=False))  # the window in every verify forward
     yield "early-exit", DraftModelProposer(early_exit_model(target, 2), DraftConfig(depth=3, width=2))
 
 

@@ -15,6 +15,7 @@ pytest.importorskip("llguidance")
 import specheads.inference.engine.engine as engine_mod  # noqa: E402
 from specheads.inference.engine.constraint import GrammarConstraint  # noqa: E402
 from specheads.inference.engine.engine import Engine  # noqa: E402
+from specheads.inference.engine.extra_rows import ExtraRows  # noqa: E402
 from specheads.inference.engine.grammar import json_schema_grammar, regex_grammar  # noqa: E402
 from specheads.inference.engine.proposer import AutoregressiveProposer  # noqa: E402
 from specheads.inference.engine.sampling import SamplingParams  # noqa: E402
@@ -117,6 +118,11 @@ def test_forbidden_deterministic_drafts_are_pruned_and_sampled_ones_kept():
     digits = torch.tensor(ids("0123456789"))
     assert bool(torch.isfinite(logits[0, digits]).all()) and int(torch.isfinite(logits[0]).sum()) == 10
     assert bool(torch.isfinite(logits[1, END]))  # one digit in: the answer may end
+    # A reshaped tree keeps the verify forward's extra rows (lookahead's window): they see only the root.
+    window = ExtraRows(tokens=torch.tensor([letter, digit]), depths=torch.tensor([1, 2]),
+                       sees=torch.tensor([[True, False], [True, True]]))
+    with_rows = c.shape(DraftTree(tokens=tree.tokens, parents=tree.parents, extra=window), max_depth=4)
+    assert with_rows.size == 3 and with_rows.extra is window
     # With draft distributions, a forbidden child stays for verification to reject (pruning would change the law).
     probs = torch.full((4, BYTE_VOCAB), 1.0 / BYTE_VOCAB)
     sampled = c.shape(DraftTree(tokens=tree.tokens, parents=tree.parents, draft_probs=probs), max_depth=4)

@@ -46,7 +46,7 @@ def alone(target, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
     return [engine.generate(p, max_new_tokens=m).output_ids for p, m in zip(prompts, max_new)]
 
 
-@pytest.mark.parametrize("method", ["ar", "ngram", "suffix", "draft"])
+@pytest.mark.parametrize("method", ["ar", "ngram", "suffix", "lookahead", "draft"])
 def test_rows_decode_greedily_as_each_would_alone(target, method):
     if method == "draft":
         proposer = DraftModelProposer(perturbed_copy(target, 0.02))

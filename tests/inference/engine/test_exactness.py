@@ -21,6 +21,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specheads.inference.engine.extra_rows import ExtraRows
 from specheads.inference.engine.sampling import SamplingParams, sample
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import verify
@@ -267,6 +268,21 @@ def test_grafted_lookup_paths_keep_sampling_exact(params):
     new_grandchild = next(t for t in range(VOCAB) if t not in grandkids)
     tree = base.graft([[kids[0], new_grandchild], [new_root_child, kids[0]]], max_new_nodes=4)
     assert tree.size == base.size + 3
+    counts = first_two_tokens(real_verifier, params, 2, 2, deterministic=True, tree=tree)
+    p_value = chi_square_p(counts, exact_joint(params))
+    assert p_value > PASS_P, f"verifier output differs from the target distribution (p={p_value:.2e})"
+
+
+@pytest.mark.parametrize("params", [T1, T07_K3], ids=["t1", "t0.7-topk3"])
+def test_a_tree_with_extra_rows_verifies_as_its_nodes_alone(params):
+    """Lookahead decoding's shape: a trie of deterministic n-grams below the root, with a Jacobi window's extra rows
+    (`extra_rows.py`) beside it. The verifier reads the nodes only; the law stays the target's."""
+    n_grams = [[1, 2], [1, 4], [3, 0]]
+    tree = DraftTree.root_only(ROOT).graft(n_grams, max_new_nodes=6)
+    window = ExtraRows(tokens=torch.tensor([5, 5, 1]), depths=torch.tensor([1, 2, 3]),
+                       sees=torch.ones(3, 3, dtype=torch.bool).tril())
+    tree = DraftTree(tokens=tree.tokens, parents=tree.parents, extra=window)
+    assert tree.size == 6 and tree.input_size == 9
     counts = first_two_tokens(real_verifier, params, 2, 2, deterministic=True, tree=tree)
     p_value = chi_square_p(counts, exact_joint(params))
     assert p_value > PASS_P, f"verifier output differs from the target distribution (p={p_value:.2e})"
