@@ -92,6 +92,23 @@ def _dspark(target: nn.Module, **settings: Any) -> nn.Module:
     return head.to(target.device).eval()
 
 
+def _xpress(target: nn.Module, **settings: Any) -> nn.Module:
+    from specheads.heads.xpress import XPressConfig, XPressHead
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = XPressConfig(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2, 3), num_layers=2, block_size=4,
+                          draft_vocab=tuple(range(3, 80)), mask_token_id=vocab - 1, xpress_rank=8,
+                          **{"num_jacobi_passes": 3, **settings})
+    head = perturbed(XPressHead(config, target), scale=0.05)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a refiner that changes drafts and mixes the block (a fresh one barely does)
+        head.refiner_head.token_embed.weight.normal_(std=1.0, generator=g)
+        head.refiner_head.readout.weight.normal_(std=2.0, generator=g)
+        head.refiner_head.mix_l.normal_(std=0.5, generator=g)
+    return head.to(target.device).eval()
+
+
 @dataclass(frozen=True)
 class DrafterCase:
     make: Callable[[nn.Module], nn.Module]  # untrained heads of the kind for a tiny target, on its device
@@ -110,6 +127,8 @@ DRAFTERS: dict[str, DrafterCase] = {
                                     {"draft_dtype": "int8", "lookup": 0}]),
     # a shallower depth: tests/inference/proposers/test_block_proposers.py
     "dspark": DrafterCase(_dspark, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0},
+                                    {"draft_dtype": "int8", "lookup": 0}]),
+    "xpress": DrafterCase(_xpress, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),

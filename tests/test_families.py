@@ -162,7 +162,8 @@ def test_the_targets_table_is_the_suites_matrix():
 
 
 RECIPES = {"eagle": {}, "eagle3": {"aux_layers": (1, 2, 3)}, "peagle": {"aux_layers": (1, 2, 3)},
-           "dflash": {"aux_layers": (1, 2, 3)}, "dspark": {"aux_layers": (1, 2, 3), "markov_rank": 8}, "medusa": {}}
+           "dflash": {"aux_layers": (1, 2, 3)}, "dspark": {"aux_layers": (1, 2, 3), "markov_rank": 8},
+           "xpress": {"aux_layers": (1, 2, 3), "xpress_rank": 8}, "medusa": {}}
 
 
 def answers(n: int = 4, length: int = 24) -> dict[str, torch.Tensor]:

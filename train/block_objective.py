@@ -1,5 +1,5 @@
-"""What the block drafters' objectives share (`dflash`, `dspark`; `specheads.heads.block_drafter`): blocks anchored at
-random answer positions, every slot of a block trained in one forward, and the evaluation of every anchor.
+"""What the block drafters' objectives share (`dflash`, `dspark`, `xpress`; `specheads.heads.block_drafter`): blocks
+anchored at random answer positions, every slot of a block trained in one forward, and the evaluation of every anchor.
 
 A block anchored at position a holds [x_a, mask, ..., mask] at positions a .. a+B-1 and sees the target's context
 rows of positions < a and its own block, exactly as at inference, where the anchor is the last committed token.
@@ -103,6 +103,11 @@ def block_tokens(input_ids: torch.Tensor, anchors: torch.Tensor, block: int) -> 
     return input_ids.gather(1, at.flatten(1)).view(at.shape)
 
 
+def tokens_before(input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:  # [B, n]
+    """The text's token before each anchor [B, n] (x_{a-1}; the anchor itself at the text's start)."""
+    return input_ids.gather(1, (anchors - 1).clamp(min=0)).where(anchors > 0, input_ids.gather(1, anchors))
+
+
 @dataclass
 class BlockStep:
     """One training step's blocks: the drafter's outputs at every slot and the target's distributions at the entries
@@ -167,10 +172,11 @@ SlotLogits = Callable[[BlockDrafterHead, torch.Tensor, torch.Tensor], torch.Tens
 
 @torch.no_grad()
 def block_eval(head: BlockDrafterHead, target: torch.nn.Module, batch: dict[str, torch.Tensor],
-               slot_logits: SlotLogits) -> dict[str, torch.Tensor]:
+               slot_logits: SlotLogits, before: bool = False) -> dict[str, torch.Tensor]:
     """Sums over every anchor whose first drafted token counts: per-slot top-1 / top-k agreement with the target's
     full-vocabulary argmax, and the chain acceptance length (leading right slots, counted slots only). The keys of
-    `chain_eval`, so `chain_eval_row` reports them."""
+    `chain_eval`, so `chain_eval_row` reports them. With `before` the text `slot_logits` gets starts one token
+    earlier (`tokens_before`)."""
     config = head.config
     block, steps = config.block_size, config.drafted
     features = batch_features(target, batch, config.aux_layers)  # [B, T, D]
@@ -187,6 +193,8 @@ def block_eval(head: BlockDrafterHead, target: torch.nn.Module, batch: dict[str,
             anchors = chunk[None]
             out = block_outputs(head, head, one, features[row : row + 1], anchors)[0]  # [n, block, H]
             text = block_tokens(one["input_ids"], anchors, block)[0]  # [n, block]
+            if before:  # the token before each anchor in front: [n, 1 + block]
+                text = torch.cat([tokens_before(one["input_ids"], anchors)[0, :, None], text], dim=1)
             ranked = head.token_ids(slot_logits(head, out, text).topk(EVAL_TOPK, dim=-1).indices)  # [n, S, k]
             at = chunk[:, None] + torch.arange(1, steps + 1)  # [n, S]
             wanted = target_next[row, at - 1]

@@ -12,4 +12,5 @@ from specheads.inference.methods import (  # noqa: F401  (each registers its met
     ngram,
     peagle,
     suffix,
+    xpress,
 )

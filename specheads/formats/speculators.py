@@ -1,9 +1,10 @@
 """speculators' layouts (what vLLM serves), as far as several kinds share them: the fused chain head's (eagle3 and
-peagle, `specheads.heads.fused_chain`), the block drafter's (dflash and dspark, `specheads.heads.block_drafter`),
-the vocabulary mappings and the version every speculators export writes.
+peagle, `specheads.heads.fused_chain`), the block drafter's (dflash, dspark and xpress,
+`specheads.heads.block_drafter`), the vocabulary mappings and the version every speculators export writes.
 
-A kind's own file registers its exporter and importer (`specheads.formats.eagle3`, `.peagle`, `.dflash`, `.dspark`)
-and adds what is its own: the config keys, extra tensors, and how its block is recorded (`block_speculative_tokens`).
+A kind's own file registers its exporter and importer (`specheads.formats.eagle3`, `.peagle`, `.dflash`, `.dspark`,
+`.xpress`) and adds what is its own: the config keys, extra tensors, and how its block is recorded
+(`block_speculative_tokens`).
 """
 
 from __future__ import annotations

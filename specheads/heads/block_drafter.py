@@ -1,6 +1,6 @@
-"""A block drafter on the target's states (DFlash's design, which the `dflash` and `dspark` kinds share): a few
-decoder layers that fill a block of masked positions in one forward, reading the target's hidden states as extra keys
-and values at every layer; laid out as vLLM's `speculators` package defines `dflash` (Qwen3-style attention with
+"""A block drafter on the target's states (DFlash's design, which the `dflash`, `dspark` and `xpress` kinds share): a
+few decoder layers that fill a block of masked positions in one forward, reading the target's hidden states as extra
+keys and values at every layer; laid out as vLLM's `speculators` package defines `dflash` (Qwen3-style attention with
 per-head q/k norms, whatever the target's architecture), so it exports by writing a config.
 
 With committed tokens x_0..x_n (x_n the last, whose target hidden state is not known yet) the block is
