@@ -37,6 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Default: adaptive with --calibration, else on. Output is exact in every mode")
     p.add_argument("--calibration", type=Path, metavar="JSON",
                    help="what `specheads calibrate` wrote for this target, method and machine")
+    p.add_argument("--per-request-spec-decode-metrics", choices=("summary", "detailed"),
+                   help="report every request's speculative acceptance in its usage (usage.spec_decode_metrics: "
+                        "mean acceptance length 1 + accepted/drafts as vLLM's, τ, acceptance rate, drafted and "
+                        "accepted tokens; detailed adds per-position acceptance). Default: only for requests that "
+                        "send \"spec_decode_metrics\": true")
     shared.add_model_settings(p)
 
 
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> None:
     limits = ServiceLimits(max_queue=args.max_queue, max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
     settings = ServerSettings(model_name=args.model_name or args.target,
                               api_key=args.api_key or os.environ.get("SPECHEADS_API_KEY") or None,
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes,
+                              spec_decode_metrics=args.per_request_spec_decode_metrics)
     model, tokenizer = shared.load_model(args)
     proposer, label = shared.make_method(args, options, model, tokenizer)
     engine = serving_engine(model, proposer, label=label, max_batch=args.max_batch, mode=mode, profile=profile,

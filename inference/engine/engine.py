@@ -347,6 +347,16 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Committed KV entries over what the batch can hold, `max_rows` rows of the model's context (of the running
+        rows' longest limit when the model states no context): 0 to 1, as vLLM's kv_cache_usage_perc. The buffers
+        are allocated as rows grow, so this reads the share of the batch's reach in use, not of memory allocated."""
+        if self._cache is None or not self._running:
+            return 0.0
+        per_row = self.max_context or max(s.limit for s in self._running)
+        return sum(self._cache.lengths) / (self.max_rows * per_row)
+
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One step: prefill the waiting sequences that fit (their first token each), then draft a tree for every

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class GenerationStats:
     new_tokens: int = 0
-    steps: int = 0  # target verify forwards (prefill excluded)
+    steps: int = 0  # target forwards, the prefill's included (it yields the first token, as step 1)
     draft_steps: int = 0  # steps that verified at least one drafted token
     drafted: int = 0  # draft tokens proposed, over all steps
     accepted: int = 0  # draft tokens accepted, over all steps

@@ -62,7 +62,7 @@ def serve(engine: Engine, tokenizer: Any, stop_token_ids: list[int], settings: S
     The engine decodes in this (the main) thread, the HTTP server in another: see `GenerationService.run`."""
     import uvicorn
 
-    service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name), limits)
+    service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name, engine.max_context), limits)
     app = create_app(service, tokenizer, settings)
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     thread = threading.Thread(target=http.run, name="specheads-http", daemon=True)

@@ -15,6 +15,12 @@ Structured outputs: `response_format` (`json_object`, `json_schema`) and vLLM's 
 `regex`, `grammar`, `choice`) or `guided_*` fields constrain the answer to a grammar, on both endpoints, streamed or
 not, with speculation on (`engine/constraint.py`: exact with respect to the target masked by the grammar). A schema,
 regex or grammar that does not compile is a 400 naming it.
+
+Per-request acceptance (`spec_decode_metrics.py`): a request with `"spec_decode_metrics": true` (or a level,
+"summary" or "detailed"), or every request of a server started with a level (`ServerSettings.spec_decode_metrics`,
+`--per-request-spec-decode-metrics`), gets its acceptance in `usage.spec_decode_metrics`: in the response, or on a
+stream in the final usage chunk (sent when the request asked for the metrics itself or for
+`stream_options.include_usage`). `false` leaves it out even where the server reports it for every request.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +45,7 @@ from specheads.inference.engine.grammar import grammar_from_request
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.serve.metrics import ServerMetrics
 from specheads.inference.serve.service import GenerationService, Job, QueueFull, ServiceLimits
+from specheads.inference.serve.spec_decode_metrics import check_level, spec_decode_metrics
 from specheads.inference.serve.text_stream import TextStream
 from specheads.target import render_messages
 
@@ -51,6 +58,10 @@ class ServerSettings:
     model_name: str  # the name clients pass as `model` (GET /v1/models lists it)
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
     max_body_bytes: int = 1 << 20
+    spec_decode_metrics: str | None = None  # "summary" or "detailed": every request's usage carries its acceptance
+
+    def __post_init__(self) -> None:
+        check_level(self.spec_decode_metrics)
 
 
 class BadRequest(Exception):
@@ -84,6 +95,9 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    # this request's acceptance in its usage: true (the server's level, else summary), a level, false, or None (the
+    # server's default)
+    spec_decode_metrics: bool | Literal["summary", "detailed"] | None = None
 
 
 class CompletionRequest(_Request):
@@ -200,15 +214,16 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
         def on_done(result: GenerationResult | None, err: BaseException | None) -> None:  # worker thread
             loop.call_soon_threadsafe(events.put_nowait, ("done", result, err))
 
+        level = _spec_decode_level(body.spec_decode_metrics, settings.spec_decode_metrics)
+        reply = _Reply(chat, settings.model_name, len(prompt_ids), level)
         job = Job(prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=sampling, on_tokens=on_tokens,
-                  on_done=on_done, constraint=constraint)
+                  on_done=on_done, constraint=constraint, request_id=reply.id)
         try:
             service.submit(job)
         except QueueFull as err:
             raise BadRequest(str(err), status=429, kind="rate_limit_error") from None
-        reply = _Reply(chat, settings.model_name, len(prompt_ids))
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = bool((body.stream_options or {}).get("include_usage")) or bool(body.spec_decode_metrics)
             return StreamingResponse(_stream(reply, events, job, text, include_usage), media_type="text/event-stream")
         parts: list[str] = []
         while True:
@@ -281,6 +296,13 @@ def _constraint(body: _Request, tokenizer: Any, service: GenerationService) -> G
         raise BadRequest(str(err), param) from None
 
 
+def _spec_decode_level(asked: bool | str | None, server: str | None) -> str | None:
+    """The level of the acceptance report in this request's usage (None: none)."""
+    if asked is None or asked is False:
+        return server if asked is None else None
+    return (server or "summary") if asked is True else asked
+
+
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
@@ -298,15 +320,19 @@ def _result(event: tuple) -> GenerationResult:
 class _Reply:
     """OpenAI response bodies and stream chunks for one request."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, spec_decode_metrics: str | None = None) -> None:
         self.chat, self.model, self.prompt_tokens = chat, model, prompt_tokens
+        self.spec_decode_metrics = spec_decode_metrics  # the level of acceptance report in usage, or None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def usage(self, result: GenerationResult) -> dict[str, int]:
+    def usage(self, result: GenerationResult) -> dict:
         done = len(result.output_ids)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                 "total_tokens": self.prompt_tokens + done}
+        if self.spec_decode_metrics is not None:
+            usage["spec_decode_metrics"] = spec_decode_metrics(result.stats, self.spec_decode_metrics)
+        return usage
 
     def _body(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
@@ -374,6 +400,6 @@ async def _stream(reply: _Reply, events: asyncio.Queue, job: Job, text: TextStre
 def build_server(engine: Engine, tokenizer: Any, stop_token_ids: list[int], settings: ServerSettings,
                  limits: ServiceLimits = ServiceLimits()) -> tuple[FastAPI, GenerationService]:
     """The application and its started service (call `service.close()` once the HTTP server stopped)."""
-    service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name), limits)
+    service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name, engine.max_context), limits)
     service.start()
     return create_app(service, tokenizer, settings), service

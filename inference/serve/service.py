@@ -6,7 +6,8 @@ each answer is exactly what `specheads generate` gives for the same prompt and s
 its token limit, its deadline (`request_timeout_s` from its arrival, queueing included: finish reason "timeout") or
 its cancellation (a client that left: "cancelled"), and its slot goes to the next job at once. A proposer that fails
 makes its step a plain step (`Engine` fallback): the request completes, the fallback counter moves and the error is
-logged once per reason.
+logged once per reason. Each job keeps its timeline (`request_times.py`) for the request metrics, and every finished
+request's acceptance is logged at debug level (`spec_decode_metrics.log_line`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from specheads.inference.engine.proposer import AutoregressiveProposer
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.stats import GenerationStats
 from specheads.inference.serve.metrics import ServerMetrics
+from specheads.inference.serve.request_times import RequestTimes
+from specheads.inference.serve.spec_decode_metrics import log_line
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +58,9 @@ class Job:
     # there, e.g. "stop" when a stop string appeared), then once the result, or the error that ended it.
     on_tokens: Callable[[list[int]], str | None]
     on_done: Callable[[GenerationResult | None, BaseException | None], None]
-    arrived: float = field(default_factory=time.monotonic)
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(arrived=time.monotonic()))
     cancelled: threading.Event = field(default_factory=threading.Event)
-    queued_s: float = 0.0  # from arrival to joining the batch
+    request_id: str = ""  # the response's id, for the log
     constraint: GrammarConstraint | None = None  # the request's grammar (structured outputs), or None
 
     def cancel(self) -> None:
@@ -145,20 +148,29 @@ class GenerationService:
                 log.exception("an engine step failed; its requests end with an error")
                 self.engine.abort()
                 for job in jobs.values():
+                    self.metrics.record_error()
                     job.on_done(None, err)
+                self.metrics.labels(self.metrics.kv_cache_usage).set(0.0)
                 self.metrics.labels(self.metrics.running).dec(len(jobs))
                 jobs.clear()
                 continue
             self._show_enabled()
+            self.metrics.labels(self.metrics.kv_cache_usage).set(self.engine.kv_cache_usage)
             for seq in finished:
                 job = jobs.pop(id(seq))
                 self.metrics.labels(self.metrics.running).dec()
-                self.metrics.record_request(seq.stats, queued_s=job.queued_s)
+                self._finished(job, seq.stats)
                 job.on_done(seq.result(), None)
+
+    def _finished(self, job: Job, stats: GenerationStats) -> None:
+        job.times.finished = time.monotonic()
+        self.metrics.record_request(stats, job.times, prompt_tokens=len(job.prompt_ids))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", log_line(job.request_id or "request", stats))
 
     def _admit(self, job: Job):
         """Add `job` to the engine (None if it ended before starting: timed out or abandoned while queued)."""
-        deadline = job.arrived + self.limits.request_timeout_s
+        deadline = job.times.arrived + self.limits.request_timeout_s
 
         def finish_reason() -> str | None:
             if job.cancelled.is_set():
@@ -166,22 +178,26 @@ class GenerationService:
             return "timeout" if time.monotonic() > deadline else None
 
         if (early := finish_reason()) is not None:
-            job.on_done(GenerationResult([], GenerationStats(finish_reason=early)), None)
+            stats = GenerationStats(finish_reason=early)
+            self._finished(job, stats)
+            job.on_done(GenerationResult([], stats), None)
             return None
         stop_text: list[str] = []
 
         def on_tokens(new: list[int]) -> None:
+            job.times.token_times.append(time.monotonic())  # one event per step, as vLLM's inter-token latency
             if (reason := job.on_tokens(new)) is not None:
                 stop_text.append(reason)
 
         def should_stop() -> str | None:
             return stop_text[0] if stop_text else finish_reason()
 
-        job.queued_s = time.monotonic() - job.arrived
+        job.times.scheduled = time.monotonic()
         try:
             return self.engine.add(job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling,
                                    stop_token_ids=self.stop_token_ids, on_tokens=on_tokens, should_stop=should_stop,
                                    constraint=job.constraint)
         except ValueError as err:  # the server checks requests first; anything left fails this request alone
+            self.metrics.record_error()
             job.on_done(None, err)
             return None

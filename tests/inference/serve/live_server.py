@@ -25,8 +25,9 @@ class LiveServer:
     """`build_server` behind uvicorn on a free loopback port, in a thread."""
 
     def __init__(self, engine: Engine, tokenizer, *, api_key: str | None = None, stops=STOPS,
-                 max_body_bytes: int = 4096, **limits) -> None:
-        settings = ServerSettings(MODEL, api_key=api_key, max_body_bytes=max_body_bytes)
+                 max_body_bytes: int = 4096, spec_decode_metrics: str | None = None, **limits) -> None:
+        settings = ServerSettings(MODEL, api_key=api_key, max_body_bytes=max_body_bytes,
+                                  spec_decode_metrics=spec_decode_metrics)
         self.app, self.service = build_server(engine, tokenizer, stops, settings, ServiceLimits(**limits))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -46,7 +47,8 @@ class LiveServer:
     def metric(self, name: str, **labels: str) -> float:
         """A sample's value from /metrics (0 when absent)."""
         want = "specheads:" + name + ("{" + ",".join(f'{k}="{v}"' for k, v in
-                                                   {"model_name": MODEL, **labels}.items()) + "}")
+                                                   sorted({"model_name": MODEL, "engine": "0", **labels}.items()))
+                                         + "}")
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith(want + " "):
                 return float(line.split()[-1])
@@ -78,3 +80,11 @@ class Slow:
             assert self.gate.wait(timeout=60)
         time.sleep(self.delay)
         return DraftTree.root_only(ctx.tokens[-1])
+
+
+def wait_for(condition, timeout: float = 10.0) -> None:
+    """Poll `condition` until it holds (a test fails after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)

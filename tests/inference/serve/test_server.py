@@ -27,7 +27,7 @@ from specheads.inference.engine.tree import DraftTree
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.target import render_messages
 from tests.conftest import repetitive_prompt, tiny_model, tiny_tokenizer
-from tests.inference.serve.live_server import MODEL, STOPS, LiveServer, Slow
+from tests.inference.serve.live_server import MODEL, STOPS, LiveServer, Slow, wait_for
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -323,13 +323,6 @@ def test_a_full_queue_answers_429_and_the_queued_requests_complete(target, token
     finally:
         gate.set()
         live.close()
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 def test_an_api_key_is_required_on_v1_when_set(target, tokenizer):
