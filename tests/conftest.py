@@ -276,3 +276,10 @@ def byte_tokenizer():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def text_batch(tokens: torch.Tensor, answer_from: int = 0) -> dict[str, torch.Tensor]:
+    """A training batch of the texts `tokens` [B, T], every token attended, the loss on positions answer_from.."""
+    loss = torch.zeros_like(tokens)
+    loss[:, answer_from:] = 1
+    return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": loss}

@@ -92,6 +92,22 @@ def _dspark(target: nn.Module, **settings: Any) -> nn.Module:
     return head.to(target.device).eval()
 
 
+def _dflash2(target: nn.Module, **settings: Any) -> nn.Module:
+    from specheads.heads.dflash2 import DFlash2Config, DFlash2Head
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = DFlash2Config(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2, 3), num_layers=2, block_size=4,
+                           mask_token_id=vocab - 1, selector_rank=8, selector_top_k=6, **settings)
+    head = perturbed(DFlash2Head(config, target), scale=0.05)  # the convolutions move off the identity too
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a selector that reorders candidates (a fresh one barely does)
+        head.candidate_selector.predecessor_codebook.normal_(std=1.0, generator=g)
+        head.candidate_selector.successor_codebook.normal_(std=1.0, generator=g)
+        head.candidate_selector.hidden_projection.weight.normal_(std=1.0, generator=g)
+    return head.to(target.device).eval()
+
+
 def _xpress(target: nn.Module, **settings: Any) -> nn.Module:
     from specheads.heads.xpress import XPressConfig, XPressHead
 
@@ -128,6 +144,8 @@ DRAFTERS: dict[str, DrafterCase] = {
     # a shallower depth: tests/inference/proposers/test_block_proposers.py
     "dspark": DrafterCase(_dspark, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
+    "dflash2": DrafterCase(_dflash2, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
+                                      {"draft_dtype": "int8", "lookup": 0}]),
     "xpress": DrafterCase(_xpress, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},

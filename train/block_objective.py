@@ -1,5 +1,6 @@
-"""What the block drafters' objectives share (`dflash`, `dspark`, `xpress`; `specheads.heads.block_drafter`): blocks
-anchored at random answer positions, every slot of a block trained in one forward, and the evaluation of every anchor.
+"""What the block drafters' objectives share (`dflash`, `dspark`, `xpress`, `dflash2`;
+`specheads.heads.block_drafter`): blocks anchored at random answer positions, every slot of a block trained in one
+forward, and the evaluation of every anchor.
 
 A block anchored at position a holds [x_a, mask, ..., mask] at positions a .. a+B-1 and sees the target's context
 rows of positions < a and its own block, exactly as at inference, where the anchor is the last committed token.

@@ -3,6 +3,7 @@
 from specheads.inference.methods import (  # noqa: F401  (each registers its method)
     ar,
     dflash,
+    dflash2,
     draft,
     dspark,
     eagle,

@@ -1,5 +1,6 @@
-"""What the block drafters' proposers share (`dflash`, `dspark`, `xpress`; `specheads.heads.block_drafter`): the
-drafter's context over the committed text, and the block forward every row drafts in.
+"""What the block drafters' proposers share (`dflash`, `dspark`, `xpress`, `dflash2`;
+`specheads.heads.block_drafter`): the drafter's context over the committed text, and the block forward every row
+drafts in.
 
 Per sequence the proposer keeps every draft layer's context keys and values: one row per committed token except
 the last (the anchor, whose target hidden state the next verify computes). After each verify the accepted path's

@@ -1,6 +1,6 @@
 """Path trees: the draft tree of a drafter whose distribution at a position depends on the token chosen before it
-(a block drafter with a Markov bias, `dspark`), so each node's children come from the distribution its own token
-conditions.
+(a block drafter with a Markov bias, `dspark`, or a candidate selector, `dflash2`), so each node's children come from
+the distribution its own token conditions.
 
 As block trees (`block_tree`) the tree is built best-first over paths, a path's score being the sum of its tokens'
 draft log-probabilities, each node's children being the `topk` best tokens of its distribution, until the tree holds

@@ -1,9 +1,9 @@
 """speculators' layouts (what vLLM serves), as far as several kinds share them: the fused chain head's (eagle3 and
-peagle, `specheads.heads.fused_chain`), the block drafter's (dflash, dspark and xpress,
+peagle, `specheads.heads.fused_chain`), the block drafter's (dflash, dflash2, dspark and xpress,
 `specheads.heads.block_drafter`), the vocabulary mappings and the version every speculators export writes.
 
-A kind's own file registers its exporter and importer (`specheads.formats.eagle3`, `.peagle`, `.dflash`, `.dspark`,
-`.xpress`) and adds what is its own: the config keys, extra tensors, and how its block is recorded
+A kind's own file registers its exporter and importer (`specheads.formats.eagle3`, `.peagle`, `.dflash`, `.dflash2`,
+`.dspark`, `.xpress`) and adds what is its own: the config keys, extra tensors, and how its block is recorded
 (`block_speculative_tokens`).
 """
 
@@ -233,9 +233,10 @@ def write_block_layout(cfg: BlockDrafterConfig, state: Mapping[str, torch.Tensor
 
 def read_block_layout(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],
                       num_target_layers: int | None, config_cls: type[BlockDrafterConfig],
-                      draft_rows: tuple[str, ...] = (), **fields: Any) -> Checkpoint:
+                      draft_rows: tuple[str, ...] = (), target_lm_head: bool = False, **fields: Any) -> Checkpoint:
     """A speculators export of a block drafter (`config_cls`, given its own `fields`; `draft_rows` its tensors with a
-    row per draft token besides the LM head) as our checkpoint."""
+    row per draft token besides the LM head) as our checkpoint. With `target_lm_head` the kind scores the whole
+    vocabulary with the target's own LM head, which the layout may carry but our checkpoint does not."""
     layout = f"speculators {config_cls.KIND}"
     lc = meta.get("transformer_layer_config") or {}
     if meta.get("target_hidden_size") not in (None, lc.get("hidden_size")):
@@ -253,7 +254,9 @@ def read_block_layout(folder: Path, meta: Mapping[str, Any], state: dict[str, to
     for name in FOREIGN_ONLY:
         state.pop(name, None)
     vocab_size = int(lc["vocab_size"])
-    if "lm_head.weight" not in state:
+    if target_lm_head:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
         raise ValueError(f"{folder} ({layout}) has no lm_head.weight (a full-vocabulary drafter reusing its verifier's "
                          "head); export it with its own LM head")
     try:
@@ -261,7 +264,8 @@ def read_block_layout(folder: Path, meta: Mapping[str, Any], state: dict[str, to
                          aux_layers=tuple(meta["aux_hidden_state_layer_ids"]),
                          num_layers=int(lc.get("num_hidden_layers", 1)), block_size=int(meta.get("block_size", 8)),
                          mask_token_id=int(meta["mask_token_id"]),
-                         draft_vocab=draft_vocabulary_from_state(state, vocab_size, draft_rows),
+                         draft_vocab=None if target_lm_head else draft_vocabulary_from_state(state, vocab_size,
+                                                                                             draft_rows),
                          layer={k: lc[k] for k in LAYER_FIELDS if k in lc}, **fields)
     except (KeyError, ValueError) as err:
         raise ValueError(f"{folder} ({layout}): {err}") from None

@@ -1,7 +1,7 @@
-"""A block drafter on the target's states (DFlash's design, which the `dflash`, `dspark` and `xpress` kinds share): a
-few decoder layers that fill a block of masked positions in one forward, reading the target's hidden states as extra
-keys and values at every layer; laid out as vLLM's `speculators` package defines `dflash` (Qwen3-style attention with
-per-head q/k norms, whatever the target's architecture), so it exports by writing a config.
+"""A block drafter on the target's states (DFlash's design, which the `dflash`, `dspark`, `xpress` and `dflash2` kinds
+share): a few decoder layers that fill a block of masked positions in one forward, reading the target's hidden states
+as extra keys and values at every layer; laid out as vLLM's `speculators` package defines `dflash` (Qwen3-style
+attention with per-head q/k norms, whatever the target's architecture), so it exports by writing a config.
 
 With committed tokens x_0..x_n (x_n the last, whose target hidden state is not known yet) the block is
 [x_n, mask, ..., mask] at positions n .. n+B-1 (B = `block_size`):
@@ -174,9 +174,14 @@ class BlockDrafterHead(FusedHead):
         norm_cls, mlp_cls = classes.norm, classes.mlp
         self.fc = nn.Linear(n * h, h, bias=False)
         self.hidden_norm = norm_cls(h, eps=eps)
-        self.layers = nn.ModuleList(BlockLayer(layer_cfg, norm_cls, mlp_cls) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(layer_cfg, norm_cls, mlp_cls) for _ in range(config.num_layers))
         self._add_output(target, decoder, layer_cfg, classes)
         self._to_target_dtype(target)
+
+    def make_layer(self, cfg: Any, norm_cls: type[nn.Module], mlp_cls: type[nn.Module]) -> nn.Module:
+        """One draft layer (a kind whose layers wrap more around attention and MLP builds its own; `self.config` is
+        set by then)."""
+        return BlockLayer(cfg, norm_cls, mlp_cls)
 
     @property
     def compute_dtype(self) -> torch.dtype:  # its activations' (an int8 drafter keeps its norms in it)

@@ -19,7 +19,7 @@ from specheads.train.dflash import (
     dflash_step_loss,
     sample_anchors,
 )
-from tests.conftest import tiny_model
+from tests.conftest import text_batch, tiny_model
 from tests.drafters import perturbed
 
 
@@ -31,12 +31,6 @@ def target():
 @pytest.fixture
 def head(target):  # not the identity, so wrong attention shows in the outputs
     return perturbed(build_dflash(DFlashHeadsConfig(aux_layers=(1, 2, 3), num_layers=2, block_size=4), target), seed=1)
-
-
-def _batch(tokens: torch.Tensor, answer_from: int = 0) -> dict[str, torch.Tensor]:
-    loss = torch.zeros_like(tokens)
-    loss[:, answer_from:] = 1
-    return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": loss}
 
 
 def test_anchors_fit_the_sequence_and_start_answers():
@@ -68,7 +62,7 @@ def test_every_trained_slot_is_what_inference_computes(head):
     tokens = torch.randint(3, 90, (2, 12))
     feats = torch.randn(2, 12, head.feature_width)
     anchors = torch.tensor([[1, 4, 8], [0, 3, 6]])
-    drafted = _blocks(head, head, _batch(tokens), feats, anchors)  # [2, 3, 3, H]
+    drafted = _blocks(head, head, text_batch(tokens), feats, anchors)  # [2, 3, 3, H]
     for b in range(2):
         for i, a in enumerate(anchors[b].tolist()):
             # inference: context rows 0..a-1, then [x_a, mask, mask, mask] at a..a+3, no mask
@@ -82,7 +76,7 @@ def test_every_trained_slot_is_what_inference_computes(head):
 def test_the_loss_trains_every_slot(target, head):
     tokens = torch.randint(3, 96, (2, 16))
     head.train()
-    loss, stats = dflash_step_loss(head, target, _batch(tokens, answer_from=2), DFlashHeadsConfig(block_size=4))
+    loss, stats = dflash_step_loss(head, target, text_batch(tokens, answer_from=2), DFlashHeadsConfig(block_size=4))
     assert math.isfinite(float(loss)) and {"top1", "top1_pos2", "top1_pos3", "loss_ce"} <= stats.keys()
     loss.backward()
     assert head.fc.weight.grad is not None and float(head.layers[0].self_attn.k_norm.weight.grad.abs().sum()) > 0
@@ -90,7 +84,7 @@ def test_the_loss_trains_every_slot(target, head):
 
 def test_eval_counts_every_anchor(target, head):
     tokens = torch.randint(3, 96, (2, 10))
-    sums = dflash_eval(head.eval(), target, _batch(tokens))
+    sums = dflash_eval(head.eval(), target, text_batch(tokens))
     assert float(sums["starts"][0]) == 2 * 7  # anchors 0..6 fit a block of 4 in 10 tokens
     assert sums["positions"].tolist() == [14.0, 14.0, 14.0]
     assert 0 <= float(sums["accepted"][0]) <= 3 * 14

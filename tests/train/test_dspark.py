@@ -18,19 +18,13 @@ from specheads.train.dspark import (
     dspark_step_loss,
     teacher_forced,
 )
-from tests.conftest import tiny_model
+from tests.conftest import text_batch, tiny_model
 from tests.drafters import _dspark
 
 
 @pytest.fixture(scope="module")
 def target():
     return tiny_model("llama", seed=0)
-
-
-def _batch(tokens: torch.Tensor, answer_from: int = 0) -> dict[str, torch.Tensor]:
-    loss = torch.zeros_like(tokens)
-    loss[:, answer_from:] = 1
-    return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": loss}
 
 
 def test_previous_tokens_follow_the_anchor_convention(target):
@@ -75,7 +69,7 @@ def test_the_markov_bias_depends_on_the_previous_token_only_where_it_is_read(tar
 def test_every_trained_slot_is_what_decoding_computes(target):
     head = _dspark(target)
     tokens = torch.randint(3, 90, (2, 12))
-    batch = _batch(tokens)
+    batch = text_batch(tokens)
     feats = torch.randn(2, 12, head.feature_width)
     anchors = torch.tensor([[1, 4, 7], [0, 3, 6]])
     out = block_outputs(head, head, batch, feats, anchors)  # [2, 3, 4, H]
@@ -99,7 +93,7 @@ def test_the_step_reads_the_texts_previous_tokens(target):
     head = _dspark(target)
     tokens = torch.randint(3, 90, (1, 14))
     torch.manual_seed(0)
-    step = block_step(head, target, _batch(tokens), max_anchors=3, feature_noise=0.0)
+    step = block_step(head, target, text_batch(tokens), max_anchors=3, feature_noise=0.0)
     logits, confidence = teacher_forced(step, tokens)
     assert logits.shape == (int(step.valid.sum()), head.config.draft_vocab_size)
     assert confidence.shape == logits.shape[:1]
@@ -134,7 +128,7 @@ def test_the_loss_trains_the_drafter_the_bias_and_the_confidence_head(target):
     head = _dspark(target).train()
     tokens = torch.randint(3, 96, (2, 16))
     settings = DSparkHeadsConfig(block_size=4, confidence_head_alpha=0.5)
-    loss, stats = dspark_step_loss(head, target, _batch(tokens, answer_from=2), settings)
+    loss, stats = dspark_step_loss(head, target, text_batch(tokens, answer_from=2), settings)
     assert math.isfinite(float(loss))
     assert {"top1", "top1_pos2", "top1_pos3", "top1_pos4", "loss_ce", "loss_confidence", "confidence_error"} \
         <= stats.keys()
@@ -144,9 +138,9 @@ def test_the_loss_trains_the_drafter_the_bias_and_the_confidence_head(target):
         assert p.grad is not None and float(p.grad.abs().sum()) > 0
     without = DSparkHeadsConfig(block_size=4, confidence_head_alpha=0.0)
     torch.manual_seed(0)
-    a, _ = dspark_step_loss(head, target, _batch(tokens, answer_from=2), without)
+    a, _ = dspark_step_loss(head, target, text_batch(tokens, answer_from=2), without)
     torch.manual_seed(0)
-    b, s = dspark_step_loss(head, target, _batch(tokens, answer_from=2), settings)
+    b, s = dspark_step_loss(head, target, text_batch(tokens, answer_from=2), settings)
     assert float(b - a) == pytest.approx(0.5 * s["loss_confidence"], rel=1e-4)
 
 
@@ -160,7 +154,7 @@ def test_a_fresh_drafter_drafts_as_the_dflash_drafter_it_extends(target):
 
 def test_eval_counts_every_slot_of_every_anchor(target):
     head = _dspark(target)
-    sums = dspark_eval(head, target, _batch(torch.randint(3, 96, (2, 10))))
+    sums = dspark_eval(head, target, text_batch(torch.randint(3, 96, (2, 10))))
     assert float(sums["starts"][0]) == 2 * 6  # anchors 0..5 leave room for x_{a+4} in 10 tokens
     assert sums["positions"].tolist() == [12.0] * 4
     assert 0 <= float(sums["accepted"][0]) <= 4 * 12

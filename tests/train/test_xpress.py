@@ -13,19 +13,13 @@ from specheads.heads.xpress import XPressConfig
 from specheads.train.block_objective import block_outputs, block_step, tokens_before
 from specheads.train.features import batch_features, last_layer
 from specheads.train.xpress import XPressHeadsConfig, build_xpress, xpress_blocks, xpress_eval, xpress_step_loss
-from tests.conftest import tiny_model
+from tests.conftest import text_batch, tiny_model
 from tests.drafters import _xpress
 
 
 @pytest.fixture(scope="module")
 def target():
     return tiny_model("llama", seed=0)
-
-
-def _batch(tokens: torch.Tensor, answer_from: int = 0) -> dict[str, torch.Tensor]:
-    loss = torch.zeros_like(tokens)
-    loss[:, answer_from:] = 1
-    return {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": loss}
 
 
 def test_previous_tokens_follow_the_anchor_convention(target):
@@ -44,7 +38,7 @@ def test_every_trained_block_is_what_decoding_computes(target, anchored):
     head = _xpress(target, sample_from_anchor=anchored)
     tokens = torch.randint(3, 90, (1, 14))
     torch.manual_seed(0)
-    step = block_step(head, target, _batch(tokens), max_anchors=3, feature_noise=0.0)
+    step = block_step(head, target, text_batch(tokens), max_anchors=3, feature_noise=0.0)
     blocks = xpress_blocks(step, tokens, passes=3)
     assert len(blocks.passes) == 3
     normed = head.norm(step.outputs)[0]  # [n, 4, H]
@@ -66,7 +60,7 @@ def test_every_trained_block_is_what_decoding_computes(target, anchored):
 def test_the_loss_is_its_three_terms_weighted(target):
     head = _xpress(target).train()
     tokens = torch.randint(3, 96, (2, 16))
-    batch = _batch(tokens, answer_from=2)
+    batch = text_batch(tokens, answer_from=2)
 
     def run(**settings):
         torch.manual_seed(0)
@@ -95,7 +89,7 @@ def test_the_loss_is_its_three_terms_weighted(target):
 @torch.no_grad()
 def test_eval_drafts_as_decoding_does(target):
     head = _xpress(target)
-    batch = _batch(torch.randint(3, 96, (2, 10)))
+    batch = text_batch(torch.randint(3, 96, (2, 10)))
     sums = xpress_eval(head, target, batch)
     assert float(sums["starts"][0]) == 2 * 7  # anchors 0..6 leave room for x_{a+3} in 10 tokens
     assert sums["positions"].tolist() == [14.0] * 3

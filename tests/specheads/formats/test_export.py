@@ -295,7 +295,8 @@ def test_the_hub_stub_refuses_malformed_requests():
 
 
 # tests.drafters: num_depths 4, block_size 4 (dspark drafts from its anchor's slot too)
-@pytest.mark.parametrize("kind,block", [("peagle", 4), ("dflash", 3), ("dspark", 4), ("xpress", 3)])
+@pytest.mark.parametrize("kind,block", [("peagle", 4), ("dflash", 3), ("dspark", 4), ("xpress", 3),
+                                        ("dflash2", 3)])
 def test_speculative_tokens_of_block_drafters_are_honoured_up_to_the_block_and_refused_past_it(kind, block, target_dir,
                                                                                                tmp_path):
     target, target_path = target_dir
