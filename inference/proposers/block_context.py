@@ -12,15 +12,20 @@ into trees. Rows draft together: one forward for every row, each row attending o
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from specheads.heads.block_drafter import KV, BlockDrafterHead
-from specheads.inference.engine.proposer import ProposalContext
+from specheads.heads.checkpoint import load_drafter
+from specheads.inference.engine.proposer import ProposalContext, Proposer
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
-from specheads.inference.methods.tree_options import TreeConfig
+from specheads.inference.methods.tree_options import TreeConfig, TreeOptions, tree_config
+from specheads.inference.proposers.lookup import with_heads_options
+from specheads.inference.proposers.node_budget import node_budget
+from specheads.int8 import quantize_linears
 
 
 class BlockContextProposer:
@@ -126,3 +131,17 @@ def block_forward(rows: Sequence[BlockContextProposer], ctxs: Sequence[ProposalC
 def draft_depths(rows: Sequence[BlockContextProposer], ctxs: Sequence[ProposalContext]) -> list[int]:
     """How deep each row drafts: its tree's depth, cut to what the row may still commit."""
     return [min(p.config.depth, c.max_depth) for p, c in zip(rows, ctxs)]
+
+
+def build_block_proposer(proposer: type[BlockContextProposer], kind: str, target: Any, options: TreeOptions,
+                         limit: Callable[[TreeConfig, Any], TreeConfig] | None = None) -> Proposer:
+    """A block drafter method's proposer: the `kind` drafter `options.heads` names (int8 if asked), a tree as deep as
+    one forward drafts unless `--depth` says less (`limit(tree, drafter config)` narrows it further where a kind
+    must), prompt lookup and the node budget as every heads method has them."""
+    head = load_drafter(options.heads, target, kind=kind)
+    if options.draft_dtype == "int8":
+        quantize_linears(head)
+    tree = tree_config(options, options.depth or head.config.drafted)
+    if limit is not None:
+        tree = limit(tree, head.config)
+    return with_heads_options(proposer(head, tree), target, options, node_budget(target, options.node_budget))

@@ -7,16 +7,17 @@ is exact for greedy and sampling alike.
 
 from __future__ import annotations
 
-from specheads.heads.checkpoint import load_drafter
 from specheads.heads.dflash import KIND_NAME
 from specheads.inference.engine.proposer import ProposalContext, Proposer
 from specheads.inference.engine.tree import DraftTree
-from specheads.inference.methods.tree_options import TreeOptions, tree_config
-from specheads.inference.proposers.block_context import BlockContextProposer, block_forward, draft_depths
+from specheads.inference.methods.tree_options import TreeOptions
+from specheads.inference.proposers.block_context import (
+    BlockContextProposer,
+    block_forward,
+    build_block_proposer,
+    draft_depths,
+)
 from specheads.inference.proposers.block_tree import block_tree
-from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.proposers.node_budget import node_budget
-from specheads.int8 import quantize_linears
 
 
 class DFlashProposer(BlockContextProposer):
@@ -30,8 +31,4 @@ class DFlashProposer(BlockContextProposer):
 
 def build(target, options: TreeOptions, load_draft) -> Proposer:
     """The `dflash` method's proposer (`specheads.inference.methods.dflash`)."""
-    head = load_drafter(options.heads, target, kind=KIND_NAME)
-    if options.draft_dtype == "int8":
-        quantize_linears(head)
-    tree = tree_config(options, options.depth or head.config.block_size - 1)
-    return with_heads_options(DFlashProposer(head, tree), target, options, node_budget(target, options.node_budget))
+    return build_block_proposer(DFlashProposer, KIND_NAME, target, options)

@@ -17,16 +17,17 @@ import dataclasses
 
 import torch
 
-from specheads.heads.checkpoint import load_drafter
 from specheads.heads.dflash2 import KIND_NAME, DFlash2Head
 from specheads.inference.engine.proposer import ProposalContext, Proposer
 from specheads.inference.engine.tree import DraftTree
-from specheads.inference.methods.tree_options import TreeOptions, tree_config
-from specheads.inference.proposers.block_context import BlockContextProposer, block_forward, draft_depths
-from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.proposers.node_budget import node_budget
+from specheads.inference.methods.tree_options import TreeOptions
+from specheads.inference.proposers.block_context import (
+    BlockContextProposer,
+    block_forward,
+    build_block_proposer,
+    draft_depths,
+)
 from specheads.inference.proposers.path_tree import Expand, path_tree
-from specheads.int8 import quantize_linears
 
 
 class DFlash2Proposer(BlockContextProposer):
@@ -59,10 +60,6 @@ def _expander(head: DFlash2Head, normed: torch.Tensor, unary: torch.Tensor) -> E
 
 def build(target, options: TreeOptions, load_draft) -> Proposer:
     """The `dflash2` method's proposer (`specheads.inference.methods.dflash2`)."""
-    head = load_drafter(options.heads, target, kind=KIND_NAME)
-    if options.draft_dtype == "int8":
-        quantize_linears(head)
-    tree = tree_config(options, options.depth or head.config.drafted)
     # a node's children are its slot's candidates only
-    tree = dataclasses.replace(tree, topk=min(tree.topk, head.config.selector_top_k))
-    return with_heads_options(DFlash2Proposer(head, tree), target, options, node_budget(target, options.node_budget))
+    return build_block_proposer(DFlash2Proposer, KIND_NAME, target, options, lambda tree, cfg: dataclasses.replace(
+        tree, topk=min(tree.topk, cfg.selector_top_k)))

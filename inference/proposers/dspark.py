@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from specheads.heads.checkpoint import load_drafter
 from specheads.heads.dspark import KIND_NAME, DSparkHead
 from specheads.inference.engine.proposer import ProposalContext, Proposer
 from specheads.inference.engine.tree import DraftTree
-from specheads.inference.methods.tree_options import TreeOptions, tree_config
-from specheads.inference.proposers.block_context import BlockContextProposer, block_forward, draft_depths
-from specheads.inference.proposers.lookup import with_heads_options
-from specheads.inference.proposers.node_budget import node_budget
+from specheads.inference.methods.tree_options import TreeOptions
+from specheads.inference.proposers.block_context import (
+    BlockContextProposer,
+    block_forward,
+    build_block_proposer,
+    draft_depths,
+)
 from specheads.inference.proposers.path_tree import Expand, path_tree
-from specheads.int8 import quantize_linears
 
 
 class DSparkProposer(BlockContextProposer):
@@ -60,8 +61,4 @@ def _expander(head: DSparkHead, normed: torch.Tensor, base: torch.Tensor, anchor
 
 def build(target, options: TreeOptions, load_draft) -> Proposer:
     """The `dspark` method's proposer (`specheads.inference.methods.dspark`)."""
-    head = load_drafter(options.heads, target, kind=KIND_NAME)
-    if options.draft_dtype == "int8":
-        quantize_linears(head)
-    tree = tree_config(options, options.depth or head.config.drafted)
-    return with_heads_options(DSparkProposer(head, tree), target, options, node_budget(target, options.node_budget))
+    return build_block_proposer(DSparkProposer, KIND_NAME, target, options)
