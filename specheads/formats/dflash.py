@@ -13,7 +13,7 @@ import torch
 
 from specheads.config import build
 from specheads.formats.base import ExportContext, Exporter, Importer, register_exporter, register_importer
-from specheads.formats.speculators import read_block_layout, write_block_layout
+from specheads.formats.speculators import block_setting, read_block_layout, write_block_layout
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.dflash import KIND_NAME, DFlashConfig
 
@@ -22,7 +22,7 @@ ARCHITECTURE = "DFlashSpeculator"
 
 def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     return write_block_layout(build(DFlashConfig, ckpt.config), ckpt.state, folder, ctx, architecture=ARCHITECTURE,
-                              setting="block_size - 1, the anchor aside")
+                              setting=block_setting(build(DFlashConfig, ckpt.config)))
 
 
 def _detect(meta: Mapping[str, Any], names: set[str]) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from specheads.config import build
 from specheads.formats.base import ExportContext, Exporter, Importer, register_exporter, register_importer
-from specheads.formats.speculators import read_block_layout, write_block_layout
+from specheads.formats.speculators import block_setting, read_block_layout, write_block_layout
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.dflash2 import KIND_NAME, DFlash2Config
 
@@ -45,13 +45,12 @@ def head_names(cfg: DFlash2Config) -> dict[str, tuple[int, ...]]:
 
 def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     cfg = build(DFlash2Config, ckpt.config)
-    setting = "block_size, the anchor's slot included" if cfg.sample_from_anchor else "block_size - 1, the anchor aside"
     # a copy: a target with tied embeddings hands out its embedding, which the layout also carries
     state = {**ckpt.state, "lm_head.weight": ctx.target_lm_head().clone()}
     # Bidirectional inside the block on sliding-window layers too (speculators' dflash2 default; every slot of our
     # block sees the whole block).
     extra = {**{key: getattr(cfg, key) for key in HEAD_SETTINGS}, "sliding_window_non_causal": True}
-    return write_block_layout(cfg, state, folder, ctx, architecture=ARCHITECTURE, setting=setting,
+    return write_block_layout(cfg, state, folder, ctx, architecture=ARCHITECTURE, setting=block_setting(cfg),
                               extra_names=head_names(cfg), extra_config=extra)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from specheads.config import build
 from specheads.formats.base import ExportContext, Exporter, Importer, register_exporter, register_importer
-from specheads.formats.speculators import read_block_layout, write_block_layout
+from specheads.formats.speculators import block_setting, read_block_layout, write_block_layout
 from specheads.heads.checkpoint import Checkpoint
 from specheads.heads.dspark import KIND_NAME, DSparkConfig
 
@@ -43,8 +43,7 @@ def head_names(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
 
 def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     cfg = build(DSparkConfig, ckpt.config)
-    setting = "block_size, the anchor's slot included" if cfg.sample_from_anchor else "block_size - 1, the anchor aside"
-    return write_block_layout(cfg, ckpt.state, folder, ctx, architecture=ARCHITECTURE, setting=setting,
+    return write_block_layout(cfg, ckpt.state, folder, ctx, architecture=ARCHITECTURE, setting=block_setting(cfg),
                               extra_names=head_names(cfg),
                               extra_config={key: getattr(cfg, key) for key in HEAD_SETTINGS})
 

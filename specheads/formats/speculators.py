@@ -197,6 +197,11 @@ def block_names(cfg: BlockDrafterConfig, lc: Any) -> dict[str, tuple[int, ...]]:
     return names
 
 
+def block_setting(cfg: BlockDrafterConfig) -> str:
+    """How a block kind's export records its speculative tokens per forward (the model card's words)."""
+    return "block_size, the anchor's slot included" if cfg.first_slot == 0 else "block_size - 1, the anchor aside"
+
+
 def write_block_layout(cfg: BlockDrafterConfig, state: Mapping[str, torch.Tensor], folder: Path, ctx: ExportContext,
                        *, architecture: str, setting: str,
                        extra_names: Mapping[str, tuple[int, ...]] | None = None,

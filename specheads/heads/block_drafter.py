@@ -58,6 +58,17 @@ class DraftBlock(MaskEntries):
         return self.block_size - self.first_slot
 
 
+@dataclass(frozen=True, kw_only=True)
+class AnchorSlotBlock(DraftBlock):
+    """A block whose anchor's slot may draft too (speculators' `sample_from_anchor`: dspark, xpress, dflash2)."""
+
+    sample_from_anchor: bool = False  # the anchor's slot drafts too (B tokens a forward); false: B - 1, as DFlash
+
+    @property
+    def first_slot(self) -> int:
+        return 0 if self.sample_from_anchor else 1
+
+
 @dataclass(frozen=True)
 class BlockDrafterConfig(DraftBlock):
     """What a block drafter is; a kind's config extends it (naming its `KIND`) and is saved as its checkpoint's

@@ -38,7 +38,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from specheads.heads.block_drafter import BlockDrafterConfig, BlockDrafterHead, BlockLayer, DraftBlock, LayerContext
+from specheads.heads.block_drafter import (
+    AnchorSlotBlock,
+    BlockDrafterConfig,
+    BlockDrafterHead,
+    BlockLayer,
+    LayerContext,
+)
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "dflash2"
@@ -46,29 +52,24 @@ _LM_HEAD = "lm_head."  # the target's own LM head: frozen, never saved
 
 
 @dataclass(frozen=True, kw_only=True)
-class DFlash2Block(DraftBlock):
+class DFlash2Block(AnchorSlotBlock):
     """What a DFlash2 drafter's block, convolutions and selector are: `DFlash2Config` and a dflash2 recipe's `heads:`
     section (`specheads.train.dflash2`) both take it."""
 
     KIND: ClassVar[str] = KIND_NAME
-    sample_from_anchor: bool = False  # the anchor's slot drafts too (B tokens a forward); false: B - 1, as DFlash
     conv_kernel_size: int = 2  # K, the causal taps of each convolution (the slot itself and K - 1 before it)
     conv_group_size: int = 16  # hidden channels sharing one dynamic kernel coefficient (must divide hidden_size)
     selector_rank: int = 256  # r, the rank of the candidate selector's bilinear score
     selector_top_k: int = 16  # candidates the selector reranks at each slot (the unary logits' top-k)
 
     def __post_init__(self) -> None:
-        DraftBlock.__post_init__(self)
+        AnchorSlotBlock.__post_init__(self)
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"dflash2 {name} must be >= 1 (heads.{name} in a recipe), got {getattr(self, name)}")
         if self.conv_kernel_size > self.block_size:
             raise ValueError(f"dflash2 conv_kernel_size {self.conv_kernel_size} reaches past a block of "
                              f"{self.block_size} slots; use conv_kernel_size <= block_size")
-
-    @property
-    def first_slot(self) -> int:
-        return 0 if self.sample_from_anchor else 1
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specheads.heads.block_drafter import BlockDrafterConfig, BlockDrafterHead, DraftBlock
+from specheads.heads.block_drafter import AnchorSlotBlock, BlockDrafterConfig, BlockDrafterHead
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "dspark"
@@ -35,7 +35,7 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DSparkBlock(DraftBlock):
+class DSparkBlock(AnchorSlotBlock):
     """What a DSpark drafter's block and heads are: `DSparkConfig` and a dspark recipe's `heads:` section
     (`specheads.train.dspark`) both take it."""
 
@@ -47,7 +47,7 @@ class DSparkBlock(DraftBlock):
     confidence_head_with_markov: bool = True  # the confidence head also reads the previous token's W1 row
 
     def __post_init__(self) -> None:
-        DraftBlock.__post_init__(self)
+        AnchorSlotBlock.__post_init__(self)
         if self.markov_rank < 0:
             raise ValueError(f"dspark markov_rank must be >= 0 (0: no Markov bias; heads.markov_rank in a recipe), "
                              f"got {self.markov_rank}")
@@ -57,10 +57,6 @@ class DSparkBlock(DraftBlock):
         if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             raise ValueError("dspark confidence_head_with_markov needs the Markov bias's embedding; set "
                              "markov_rank > 0 or confidence_head_with_markov: false")
-
-    @property
-    def first_slot(self) -> int:
-        return 0 if self.sample_from_anchor else 1
 
 
 @dataclass(frozen=True)

@@ -31,25 +31,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.block_drafter import BlockDrafterConfig, BlockDrafterHead, DraftBlock
+from specheads.heads.block_drafter import AnchorSlotBlock, BlockDrafterConfig, BlockDrafterHead
 from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "xpress"
 
 
 @dataclass(frozen=True, kw_only=True)
-class XPressBlock(DraftBlock):
+class XPressBlock(AnchorSlotBlock):
     """What an XPress drafter's block and refiner are: `XPressConfig` and an xpress recipe's `heads:` section
     (`specheads.train.xpress`) both take it."""
 
     KIND: ClassVar[str] = KIND_NAME
-    sample_from_anchor: bool = False  # the anchor's slot drafts too (B tokens a forward); false: B - 1, as DFlash
     xpress_rank: int = 256  # r, the refiner's width (its embedding, projections, mixer and MLP live in r-space)
     xpress_mlp_ratio: int = 2  # the refiner MLP's hidden width is r times this
     num_jacobi_passes: int = 6  # refine passes a decoding step runs (K); 0: the block's logits without the bias
 
     def __post_init__(self) -> None:
-        DraftBlock.__post_init__(self)
+        AnchorSlotBlock.__post_init__(self)
         if self.xpress_rank < 1:
             raise ValueError(f"xpress xpress_rank must be >= 1 (heads.xpress_rank in a recipe; speculators' default "
                              f"is 256), got {self.xpress_rank}")
@@ -59,10 +58,6 @@ class XPressBlock(DraftBlock):
         if self.num_jacobi_passes < 0:
             raise ValueError(f"xpress num_jacobi_passes must be >= 0 (0: no refinement; heads.num_jacobi_passes in a "
                              f"recipe), got {self.num_jacobi_passes}")
-
-    @property
-    def first_slot(self) -> int:
-        return 0 if self.sample_from_anchor else 1
 
 
 @dataclass(frozen=True)
