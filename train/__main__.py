@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -37,5 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def end_launched_process(code: int) -> None:
+    """End one process of a multi-process launch without the interpreter's finalization.
+
+    Torch keeps process groups alive in module-level registries (the device meshes of a sharded target among them)
+    until the interpreter tears down. A gloo worker thread that then needs the GIL to free a tensor is stopped by
+    Python in the middle of C++ and aborts the process ("terminate called without an active exception", SIGABRT)
+    after the run has finished and saved, and the launcher reports the whole run failed. After a finished run every
+    process has passed its last barrier and the process group is destroyed, and a refused run has nothing to save:
+    all that finalization had left was to flush.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by accelerate launch and torchrun for each process
+        end_launched_process(status)
+    sys.exit(status)
