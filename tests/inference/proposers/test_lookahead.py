@@ -207,6 +207,25 @@ def test_poisoned_window_rows_leave_greedy_output_unchanged(target, step):
     assert proposer.fed > 100 and res.stats.drafted > 0
 
 
+def test_the_compiled_forward_masks_the_extra_rows_like_the_eager_one():
+    """`--compile` with lookahead: random window rows every step go through the compiled graph, whose mask keeps
+    them out of every node as the eager forward's does; a second prompt (other widths) compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("qwen3")
+    prompts = [repetitive_prompt(seed=3), repetitive_prompt(length=15, seed=4)]
+    plain = [Engine(model, AutoregressiveProposer(), step="hf").generate(p, max_new_tokens=30).output_ids
+             for p in prompts]
+    proposer = PoisonedLookahead()
+    engine = Engine(model, proposer, step="lean", compile=True)
+    assert engine.lean.compiled
+    first = engine.generate(prompts[0], max_new_tokens=30)
+    assert first.output_ids == plain[0] and proposer.fed > 100
+    graphs = counters["stats"]["unique_graphs"]
+    assert engine.generate(prompts[1], max_new_tokens=30).output_ids == plain[1]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 # --- the method -----------------------------------------------------------------------------------------------------
 
 
