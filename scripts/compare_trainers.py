@@ -9,7 +9,8 @@ user of each would run it. The phases:
    first, then the held-out ones), with the hidden states the target gives (`write_speculators_states`, what vLLM
    would have saved) -> OUT/speculators-data;
 2. the same files imported as our data and feature caches (`specheads.train.speculators_states`) -> OUT/imported;
-3. ours: `python -m specheads.train` on the imported caches -> OUT/ours/final;
+3. ours: `python -m specheads.train` on the imported caches -> OUT/ours/final (each `--ours-variant` with its
+   settings changed -> OUT/ours-NAME/final);
 4. our draft vocabulary as speculators' d2t/t2d -> OUT/vocab;
 5. the peer: `scripts/speculators_train_cpu.py` (speculators' trainer, two settings made from the outside so it
    runs on a CPU; named in that script) on the same files, its train/validation boundary at our split's, its
@@ -25,6 +26,8 @@ settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the
     .venv/bin/python scripts/compare_trainers.py --steps 400 --conversations 1000 --out runs/trainers-long
     .venv/bin/python scripts/compare_trainers.py --peer-arg=--optimizer --peer-arg=adamw --peer-arg=--lr \\
         --peer-arg=0.002                                                # the peer with our optimizer settings
+    .venv/bin/python scripts/compare_trainers.py --ours-variant equal-steps:heads.ttt_decay=1.0
+                                                        # also ours with one setting changed, benched beside both
 """
 
 from __future__ import annotations
@@ -127,6 +130,16 @@ def peer_checkpoint(save_path: Path) -> Path | None:
     return epochs[-1] if epochs else None
 
 
+def variant(text: str) -> tuple[str, list[str]]:
+    """`NAME:KEY=VALUE[,KEY=VALUE...]` -> (NAME, overrides)."""
+    name, _, overrides = text.partition(":")
+    pairs = [item for item in overrides.split(",") if item]
+    if not name or not name.replace("-", "").isalnum() or not pairs or not all("=" in item for item in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: write a variant as NAME:KEY=VALUE[,KEY=VALUE...], "
+                                         "e.g. equal-steps:heads.ttt_decay=1.0")
+    return name, pairs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each trainer (default 200)")
@@ -139,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-arg", action="append", default=[],
                         help="an extra argument for speculators' trainer (repeat it), e.g. --peer-arg=--optimizer "
                              "--peer-arg=adamw")
+    parser.add_argument("--ours-variant", action="append", default=[], type=variant, metavar="NAME:KEY=VALUE[,...]",
+                        help="also train ours with these config overrides into OUT/ours-NAME and bench it beside the "
+                             "others (repeat it), e.g. equal-steps:heads.ttt_decay=1.0")
     args = parser.parse_args(argv)
     out = (args.out or ROOT / "runs" / f"trainers-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -174,13 +190,16 @@ def main(argv: list[str] | None = None) -> None:
                  "the two trainers would not see the same rows")
 
     ours = out / "ours"
-    if not (ours / "final" / "config.json").is_file():
-        summary["ours_wall_s"] = run(
-            [PYTHON, "-m", "specheads.train", str(CONFIG), *overrides, f"output_dir={ours}",
-             f"data.source={imported / 'data.jsonl'}", "features=offline",
-             f"feature_cache_dir={imported / 'features'}"],
-            out / "ours.log")
-        save()
+    summary["variants"] = {name: changes for name, changes in args.ours_variant}
+    for name, changes in [("", []), *args.ours_variant]:
+        folder, key = (out / f"ours-{name}", f"ours-{name}_wall_s") if name else (ours, "ours_wall_s")
+        if not (folder / "final" / "config.json").is_file():
+            summary[key] = run(
+                [PYTHON, "-m", "specheads.train", str(CONFIG), *overrides, *changes, f"output_dir={folder}",
+                 f"data.source={imported / 'data.jsonl'}", "features=offline",
+                 f"feature_cache_dir={imported / 'features'}"],
+                out / f"{folder.name}.log")
+            save()
 
     d2t, t2d = draft_vocab_files(ours / "final", out / "vocab")
     # The peer packs rows into batches of up to total_seq_len tokens; ours takes batch_size rows. Equal tokens per
@@ -207,14 +226,15 @@ def main(argv: list[str] | None = None) -> None:
         save()
     peer_final = peer_checkpoint(peer)
 
+    drafters = {"ours": ours / "final", **{f"ours-{name}": out / f"ours-{name}" / "final" for name, _ in
+                                           args.ours_variant}, "peer": peer_final}
+    summary["methods"] = {name: f"eagle3:{path}+lookup=0+node_budget=fixed" for name, path in drafters.items()}
     if not (out / "bench" / "summary.json").is_file():
-        methods = ["ar", *(f"eagle3:{path}+lookup=0+node_budget=fixed" for path in (ours / "final", peer_final))]
+        methods = ["ar", *summary["methods"].values()]
         run([str(Path(PYTHON).parent / "specheads"), "bench", "--target", cfg.target, "--dtype", args.dtype,
              "--methods", ",".join(methods), "--questions", args.questions, "--per-category", str(args.per_category),
              "--max-new-tokens", str(args.max_new_tokens), "--no-plots", "--output", str(out / "bench")],
             out / "bench.log")
-    summary["methods"] = {"ours": f"eagle3:{ours / 'final'}+lookup=0+node_budget=fixed",
-                          "peer": f"eagle3:{peer_final}+lookup=0+node_budget=fixed"}
     save()
     log(f"done: {out / 'bench' / 'summary.md'}, {summary_path}")
     print((out / "bench" / "summary.md").read_text())
