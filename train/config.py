@@ -33,8 +33,10 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    optimizer: str = "adamw"  # "adamw", or "muon": Muon on the hidden matrices, AdamW on the rest (train/optimizer.py)
     lr: float = 1e-3  # peak learning rate (linear warmup, then cosine decay)
     weight_decay: float = 0.0  # AdamW weight decay
+    muon_weight_decay: float = 0.1  # Muon's weight decay (optimizer: muon)
     warmup_steps: int = 20  # steps of linear warmup to the peak rate
     batch_size: int = 4  # conversations per step and process
     grad_accum: int = 1  # steps whose gradients are summed before an optimizer step
@@ -43,6 +45,10 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("optim.lr must be > 0 and optim.batch_size, optim.grad_accum >= 1")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optim.optimizer must be adamw or muon, got {self.optimizer!r}")
+        if self.weight_decay < 0 or self.muon_weight_decay < 0:
+            raise ValueError("optim.weight_decay and optim.muon_weight_decay must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ def check_launch(accelerator: Accelerator, cfg: TrainConfig, objective: Objectiv
                          "to shard the target, launch multi_gpu_ddp.yaml with shard_target=true")
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
+        if cfg.optim.optimizer == "muon":  # ZeRO hands each process a slice of a matrix; Muon needs the whole one
+            raise ValueError("optim.optimizer=muon orthogonalises whole matrices, which DeepSpeed's ZeRO partitions "
+                             "across processes; set optim.optimizer=adamw, or launch multi_gpu_ddp.yaml")
         check_deepspeed_config(plugin.deepspeed_config, cfg.optim, accelerator.num_processes)
         if plugin.deepspeed_config.get("zero_optimization", {}).get("stage") == 3:
             check_partitioned(objective, cfg.heads)

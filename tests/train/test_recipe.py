@@ -164,16 +164,18 @@ def test_medusa_recipe_lowers_the_loss_and_stores_a_measured_tree(tiny_run_input
     assert res.output_ids == plain.output_ids and res.stats.drafted > 0
 
 
-def test_resume_continues_with_the_same_losses(tiny_run_inputs, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_continues_with_the_same_losses(tiny_run_inputs, tmp_path, optimizer):
     import shutil
 
     full, part = tmp_path / "full", tmp_path / "part"
-    assert train_main(base_args(tiny_run_inputs, full, "max_steps=14", "save_every=7")) == 0
+    run = ("max_steps=14", "save_every=7", f"optim.optimizer={optimizer}")
+    assert train_main(base_args(tiny_run_inputs, full, *run)) == 0
     # A run that crashed after its step-7 checkpoint: its folder holds the config and that checkpoint only.
     (part / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_7", part / "checkpoints" / "step_7")
     shutil.copy(full / "config.yaml", part / "config.yaml")
-    assert train_main(base_args(tiny_run_inputs, part, "max_steps=14", "save_every=7", "resume=true")) == 0
+    assert train_main(base_args(tiny_run_inputs, part, *run, "resume=true")) == 0
     a, b = train_losses(full), train_losses(part)
     for step in range(8, 15):  # steps 8.. cross an epoch boundary (11 batches per epoch)
         assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step

@@ -163,6 +163,11 @@ def test_launches_that_partition_what_cannot_be_or_override_accumulation_are_ref
         check_launch(accelerator(DistributedType.FSDP), eagle, OBJECTIVES.get("eagle"))
     with pytest.raises(ValueError, match="sets gradient accumulation to 8 .* optim.grad_accum is 2; unset it"):
         check_launch(accelerator(accumulation=8), eagle, OBJECTIVES.get("eagle"))
+    muon = config("optim.optimizer=muon")
+    check_launch(accelerator(), muon, OBJECTIVES.get("eagle"))  # DDP: each process holds whole matrices
+    with pytest.raises(ValueError, match="muon orthogonalises whole matrices, which DeepSpeed's ZeRO partitions.*"
+                                         "set optim.optimizer=adamw, or launch multi_gpu_ddp.yaml"):
+        check_launch(accelerator(zero_stage=2), muon, OBJECTIVES.get("eagle"))
 
 
 def test_a_launch_that_overrides_the_recipe_stops_before_writing(tiny_run_inputs, tmp_path, monkeypatch, capsys):
