@@ -34,7 +34,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     optimizer: str = "adamw"  # "adamw", or "muon": Muon on the hidden matrices, AdamW on the rest (train/optimizer.py)
-    lr: float = 1e-3  # peak learning rate (linear warmup, then cosine decay)
+    lr: float = 1e-3  # peak learning rate (linear warmup, then `schedule`'s decay)
+    schedule: str = "cosine"  # decay after the warmup to 0 at max_steps: "cosine" or "linear"
     weight_decay: float = 0.0  # AdamW weight decay
     muon_weight_decay: float = 0.1  # Muon's weight decay (optimizer: muon)
     warmup_steps: int = 20  # steps of linear warmup to the peak rate
@@ -45,6 +46,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("optim.lr must be > 0 and optim.batch_size, optim.grad_accum >= 1")
+        if self.schedule not in ("cosine", "linear"):
+            raise ValueError(f"optim.schedule must be cosine or linear, got {self.schedule!r}")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"optim.optimizer must be adamw or muon, got {self.optimizer!r}")
         if self.weight_decay < 0 or self.muon_weight_decay < 0:

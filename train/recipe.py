@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from specheads.gemm_layout import cpu_has_native_bf16
 from specheads.heads.checkpoint import read_checkpoint
@@ -98,6 +98,11 @@ def _check_resume_config(out: Path, cfg: TrainConfig) -> None:
             raise ValueError(f"resume=true but '{section}' differs from the run in {out} "
                              f"({saved.get(section)!r} -> {now.get(section)!r}); resume with the original model "
                              "config or start a new output_dir")
+    was = (saved.get("optim") or {}).get("optimizer", "adamw")  # runs from before the setting used AdamW
+    if was != cfg.optim.optimizer:
+        raise ValueError(f"resume=true but optim.optimizer differs from the run in {out} ({was!r} -> "
+                         f"{cfg.optim.optimizer!r}), whose checkpoints hold {was}'s state; resume with "
+                         f"optim.optimizer={was} or start a new output_dir")
 
 
 def _keep_metrics_through(path: Path, step: int) -> None:
@@ -230,7 +235,8 @@ def train(cfg: TrainConfig) -> Path:
         init_from_heads(head, cfg.init_heads, objective.kind, target, cfg.target)
     optimizer = build_optimizer(head, objective.param_groups(head, cfg.optim.lr, cfg.heads), cfg.optim,
                                 vocab_sizes=(vocab_size, *([len(draft_vocab)] if draft_vocab else [])))
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.max_steps)
+    schedules = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup}
+    scheduler = schedules[cfg.optim.schedule](optimizer, cfg.optim.warmup_steps, cfg.max_steps)
     head, optimizer, loader, eval_loader, scheduler = accelerator.prepare(head, optimizer, loader, eval_loader,
                                                                           scheduler)
 

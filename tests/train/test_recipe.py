@@ -218,6 +218,8 @@ def test_resume_with_a_changed_model_config_is_refused(tiny_run_inputs, tmp_path
     assert train_main(base_args(tiny_run_inputs, out, "max_steps=2", "save_every=2")) == 0
     code = train_main(base_args(tiny_run_inputs, out, "max_steps=4", "resume=true", "heads.num_layers=2"))
     assert code == 2 and "'heads' differs" in capsys.readouterr().err
+    code = train_main(base_args(tiny_run_inputs, out, "max_steps=4", "resume=true", "optim.optimizer=muon"))
+    assert code == 2 and "optim.optimizer differs" in capsys.readouterr().err
 
 
 def test_init_heads_starts_from_saved_heads_and_refuses_ones_that_do_not_fit(tiny_run_inputs, tmp_path, capsys):
@@ -295,3 +297,17 @@ def test_wandb_offline_writes_the_run(tiny_run_inputs, tmp_path, monkeypatch):
     assert train_main(base_args(tiny_run_inputs, out, "max_steps=3", "save_every=3", "report_to=wandb")) == 0
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_the_learning_rate_follows_the_configured_schedule(tiny_run_inputs, tmp_path, schedule):
+    import math
+
+    out = tmp_path / "run"
+    assert train_main(base_args(tiny_run_inputs, out, "max_steps=6", "save_every=6", "measure_prompts=0",
+                                "optim.lr=0.01", f"optim.schedule={schedule}")) == 0
+    logged = {r["step"]: r["lr"] for r in metrics(out) if "lr" in r}
+    for step in range(2, 7):  # after the 2 warm-up steps, decaying to 0 at step 6
+        done = (step - 2) / 4
+        factor = 1 - done if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done))
+        assert logged[step] == pytest.approx(0.01 * factor, abs=1e-12), (step, logged)
