@@ -42,8 +42,9 @@ def build_optimizer(module: nn.Module, groups: list[dict[str, Any]], optim: Opti
     muon_groups, adamw_groups = [], []
     for group in groups:
         params = list(group["params"])
-        hidden = [p for p in params if _hidden_matrix(names.get(id(p), ""), p, vocab)]
-        rest = [p for p in params if not any(p is q for q in hidden)]
+        steps_muon = [_hidden_matrix(names.get(id(p), ""), p, vocab) for p in params]
+        hidden = [p for p, muon in zip(params, steps_muon) if muon]
+        rest = [p for p, muon in zip(params, steps_muon) if not muon]
         muon_groups += [{**group, "params": hidden}] if hidden else []
         adamw_groups += [{**group, "params": rest}] if rest else []
     return MuonAdamW(muon_groups, adamw_groups, lr=optim.lr, weight_decay=optim.weight_decay,
