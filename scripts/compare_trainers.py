@@ -74,14 +74,15 @@ def write_rows(cfg, out: Path) -> dict:
     # Split as the import will: pre-tokenized rows are grouped by their prompt tokens, so split those.
     rows = tokenized.select_columns(["input_ids", "loss_mask"])
     train, held_out = split_by_conversation(tokenize_dataset(rows, tokenizer, cfg.data.max_length),
-                                            cfg.data.eval_fraction, cfg.seed)
+                                            cfg.data.eval_fraction, cfg.split_seed)
     ids = list(train["input_ids"]) + list(held_out["input_ids"])
     mask = list(train["loss_mask"]) + list(held_out["loss_mask"])
     # The split depends on the rows' contents, not their order: the reordered rows must split the same way.
     import datasets
 
-    again, _ = split_by_conversation(tokenize_dataset(datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask}),
-                                                      tokenizer, cfg.data.max_length), cfg.data.eval_fraction, cfg.seed)
+    reordered = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": mask})
+    again, _ = split_by_conversation(tokenize_dataset(reordered, tokenizer, cfg.data.max_length),
+                                     cfg.data.eval_fraction, cfg.split_seed)
     if list(again["input_ids"]) != list(train["input_ids"]):
         sys.exit("the reordered rows split differently; the two trainers would not see the same rows")
     write_speculators_states(target, tokenizer, ids, mask, out, target_layer_ids=cfg.heads.aux_layers)

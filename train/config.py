@@ -19,6 +19,7 @@ class DataConfig:
     max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted)
     eval_fraction: float = 0.02  # share of the conversations held out for evaluation
     max_eval_conversations: int = 32  # at most this many held-out conversations
+    split_seed: int | None = None  # the held-out split's seed (None: the run's `seed`); fix it to vary `seed` alone
 
     def __post_init__(self) -> None:
         if self.max_conversations is not None and self.max_conversations < 2:
@@ -60,7 +61,7 @@ class TrainConfig:
     target: str = "default"  # "default" (SmolLM2-135M-Instruct), an HF model id or a local folder
     output_dir: str | None = None  # default: runs/<recipe>
     max_steps: int = 300  # optimizer steps
-    seed: int = 0  # data order, initialisation and noise
+    seed: int = 0  # data order, initialisation and noise; also the held-out split unless data.split_seed is set
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
     init_heads: str | None = None  # start from these saved heads (a run's final/) for more steps or new data
     report_to: str = "none"  # "none" or "wandb" (works with WANDB_MODE=offline)
@@ -112,6 +113,12 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         OBJECTIVES.get(self.recipe).check(self.heads, self)
+
+    @property
+    def split_seed(self) -> int:
+        """The held-out split's seed. Runs that differ only in `seed` with one `data.split_seed` train on the same
+        rows, and so reuse one feature cache: a seed study measures initialisation and batch order alone."""
+        return self.seed if self.data.split_seed is None else self.data.split_seed
 
 
 def load_train_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:

@@ -212,7 +212,7 @@ def train(cfg: TrainConfig) -> Path:
         conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
                                                   skip_conversations=cfg.data.skip_conversations)
         tokenized = tokenize_dataset(conversations, tokenizer, cfg.data.max_length)
-    train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.seed)
+    train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.split_seed)
     eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
     log.info("data: %s; %d train / %d eval conversations", report, len(train_ds), len(eval_ds))
     pad = pad_token_id(tokenizer)

@@ -286,7 +286,7 @@ def import_speculators_states(
         sample.setdefault(tuple(states.input_ids[i]), i)
     rows = rows.add_column("sample", [sample[tuple(ids)] for ids in rows["input_ids"]])
     train_ds, eval_ds = split_by_conversation(tokenize_dataset(rows, tokenizer, cfg.data.max_length),
-                                              cfg.data.eval_fraction, cfg.seed)
+                                              cfg.data.eval_fraction, cfg.split_seed)
     eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
 
     norm = decoder_of(target).norm

@@ -311,3 +311,23 @@ def test_the_learning_rate_follows_the_configured_schedule(tiny_run_inputs, tmp_
         done = (step - 2) / 4
         factor = 1 - done if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done))
         assert logged[step] == pytest.approx(0.01 * factor, abs=1e-12), (step, logged)
+
+
+def test_runs_with_one_split_seed_train_on_the_same_rows_and_share_the_feature_cache(tiny_run_inputs, tmp_path):
+    """A seed study: `seed` changes initialisation and batch order while `data.split_seed` holds the split, so the
+    second run finds its rows' features cached. Without a split seed, another seed splits elsewhere and the cache
+    is written again (the control that shows the first check can fail)."""
+    cache = tmp_path / "features"
+    common = ("features=offline", "feature_dtype=float32", f"feature_cache_dir={cache}", "max_steps=2",
+              "save_every=2", "eval_every=2", "measure_prompts=0")
+
+    def written() -> int:
+        return (cache / "train" / "index.json").stat().st_mtime_ns
+
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "a", *common, "seed=0", "data.split_seed=0")) == 0
+    first = written()
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "b", *common, "seed=1", "data.split_seed=0")) == 0
+    assert written() == first
+    assert train_losses(tmp_path / "b") != train_losses(tmp_path / "a")  # the seed itself still counts
+    assert train_main(base_args(tiny_run_inputs, tmp_path / "c", *common, "seed=1")) == 0
+    assert written() != first
