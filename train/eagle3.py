@@ -26,6 +26,7 @@ class Eagle3HeadsConfig(FusedHeadsConfig, ChainLayout):
 
     ttt_steps: int = 3  # draft steps unrolled in training, each fed the previous step's outputs
     ttt_decay: float = 0.8  # loss weight of unrolled step k is ttt_decay**k
+    train_lm_head: bool = True  # False: the draft LM head stays at the target's rows, as speculators' trainer keeps it
 
     def __post_init__(self) -> None:
         FusedHeadsConfig.__post_init__(self)
@@ -38,8 +39,10 @@ class Eagle3HeadsConfig(FusedHeadsConfig, ChainLayout):
 
 def build_eagle3(settings: Eagle3HeadsConfig, target: torch.nn.Module,
                  draft_vocab: list[int] | None = None) -> Eagle3Head:
-    return Eagle3Head(Eagle3Config(**settings.head_fields(target, draft_vocab), **declared_by(ChainLayout, settings)),
+    head = Eagle3Head(Eagle3Config(**settings.head_fields(target, draft_vocab), **declared_by(ChainLayout, settings)),
                       target)
+    head.lm_head.weight.requires_grad_(settings.train_lm_head)  # frozen, it leaves the optimizer (`one_group`)
+    return head
 
 
 def eagle3_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],

@@ -102,3 +102,35 @@ def test_eagle3_loss_is_the_decayed_ce_of_every_step_and_trains_the_own_lm_head(
 
 def _cfg(**heads) -> EagleHeadsConfig:
     return EagleHeadsConfig(**heads)
+
+
+def test_eagle3_with_a_frozen_lm_head_trains_all_else_and_saves_the_targets_rows(tiny_run_inputs, tmp_path):
+    """`heads.train_lm_head=false`, as speculators' trainer runs EAGLE-3: no gradient reaches the LM head, both
+    optimizers leave it where the target's rows put it (decay included), and everything else trains."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specheads.target import load_target
+    from specheads.train.__main__ import main as train_main
+    from tests.conftest import base_args
+
+    target = tiny_model("llama", seed=0)
+    frozen = build_eagle3(Eagle3HeadsConfig(aux_layers=(1, 2, 3), train_lm_head=False), target,
+                          draft_vocab=list(range(3, 60)))
+    tokens = torch.randint(3, 96, (2, 12))
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
+    eagle3_step_loss(frozen, target, batch, Eagle3HeadsConfig(aux_layers=(1, 2, 3)))[0].backward()
+    assert frozen.lm_head.weight.grad is None and frozen.fc.weight.grad.abs().sum() > 0
+
+    for optimizer in ("adamw", "muon"):
+        out = tmp_path / optimizer
+        assert train_main(base_args(tiny_run_inputs, out, "recipe=eagle3", "heads.aux_layers=[1,2,3]",
+                                    "heads.train_lm_head=false", f"optim.optimizer={optimizer}", "optim.lr=0.01",
+                                    "optim.weight_decay=0.1", "max_steps=3", "save_every=3", "measure_prompts=0")) == 0
+        saved = load_file(out / "final" / "model.safetensors")
+        draft_vocab = json.loads((out / "final" / "config.json").read_text())["config"]["draft_vocab"]
+        fresh = build_eagle3(Eagle3HeadsConfig(aux_layers=(1, 2, 3)), load_target(str(tiny_run_inputs[0]))[0],
+                             draft_vocab=draft_vocab)
+        assert torch.equal(saved["lm_head.weight"], fresh.lm_head.weight.detach()), optimizer
+        assert not torch.equal(saved["fc.weight"], fresh.fc.weight.detach()), optimizer
