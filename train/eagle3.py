@@ -27,6 +27,7 @@ class Eagle3HeadsConfig(FusedHeadsConfig, ChainLayout):
     ttt_steps: int = 3  # draft steps unrolled in training, each fed the previous step's outputs
     ttt_decay: float = 0.8  # loss weight of unrolled step k is ttt_decay**k
     train_lm_head: bool = True  # False: the draft LM head stays at the target's rows, as speculators' trainer keeps it
+    init_std: float | None = None  # None: torch's fan-in uniform; s: normal(0, s) matrices (HF's start; speculators 0.02)
 
     def __post_init__(self) -> None:
         FusedHeadsConfig.__post_init__(self)
@@ -35,6 +36,8 @@ class Eagle3HeadsConfig(FusedHeadsConfig, ChainLayout):
             raise ValueError(f"heads.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0.0 < self.ttt_decay <= 1.0:
             raise ValueError(f"heads.ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        if self.init_std is not None and self.init_std <= 0:
+            raise ValueError(f"heads.init_std must be > 0 (e.g. 0.02) or null for torch's default, got {self.init_std}")
 
 
 def build_eagle3(settings: Eagle3HeadsConfig, target: torch.nn.Module,
@@ -42,6 +45,13 @@ def build_eagle3(settings: Eagle3HeadsConfig, target: torch.nn.Module,
     head = Eagle3Head(Eagle3Config(**settings.head_fields(target, draft_vocab), **declared_by(ChainLayout, settings)),
                       target)
     head.lm_head.weight.requires_grad_(settings.train_lm_head)  # frozen, it leaves the optimizer (`one_group`)
+    if settings.init_std is not None:  # every matrix but the LM head, which starts at the target's rows
+        with torch.no_grad():
+            for module in head.modules():
+                if isinstance(module, torch.nn.Linear) and module is not head.lm_head:
+                    module.weight.normal_(0.0, settings.init_std)
+                    if module.bias is not None:
+                        module.bias.zero_()
     return head
 
 
