@@ -27,7 +27,7 @@ class Eagle3HeadsConfig(FusedHeadsConfig, ChainLayout):
     ttt_steps: int = 3  # draft steps unrolled in training, each fed the previous step's outputs
     ttt_decay: float = 0.8  # loss weight of unrolled step k is ttt_decay**k
     train_lm_head: bool = True  # False: the draft LM head stays at the target's rows, as speculators' trainer keeps it
-    init_std: float | None = None  # None: torch's fan-in uniform; s: normal(0, s) matrices (HF's start; speculators 0.02)
+    init_std: float | None = None  # None: torch's fan-in uniform; s: matrices from normal(0, s), as HF models start
 
     def __post_init__(self) -> None:
         FusedHeadsConfig.__post_init__(self)

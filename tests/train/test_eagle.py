@@ -144,7 +144,8 @@ def test_eagle3_init_std_draws_every_matrix_but_the_lm_head_from_a_normal():
     normal = build_eagle3(Eagle3HeadsConfig(aux_layers=(1, 2, 3), init_std=0.5), target)
     assert torch.equal(normal.lm_head.weight, default.lm_head.weight)  # both the target's rows
     matrices = [(n, p) for n, p in normal.named_parameters() if p.ndim == 2 and not n.startswith("lm_head")]
-    assert {n for n, _ in matrices} >= {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"}
+    assert {n for n, _ in matrices} >= {"fc.weight", "layers.0.self_attn.q_proj.weight",
+                                        "layers.0.mlp.down_proj.weight"}
     for name, weight in matrices:  # torch's default draws from ±1/sqrt(fan_in), far below 0.5 here
         assert 0.4 < float(weight.std()) < 0.6 and float(default.get_parameter(name).std()) < 0.2, name
     with pytest.raises(ValueError, match="heads.init_std must be > 0"):
