@@ -2,7 +2,8 @@
 
 A bench's summary gives each method's mean τ. Drafters whose τ differ by a percent or two need more: which of
 them wins on how many questions, and the median of the per-question ratios, which one long answer cannot swing.
-This reads a bench folder's results.jsonl and prints, per method:
+This reads the results.jsonl of one or more bench folders (greedy answers are exact counts, so runs of the same
+questions join: a method found in several folders counts from the first) and prints, per method:
 
 - τ summed: all new tokens over all target forwards (steps) of its answers;
 - accepted at depth >= 1 / 2 / 3: the share of those steps that accepted at least so many drafted tokens;
@@ -12,6 +13,7 @@ This reads a bench folder's results.jsonl and prints, per method:
 - the outputs equal to `ar`'s, as the bench marked them.
 
     .venv/bin/python scripts/per_question.py runs/trainers-20261204/bench-seeds --against peer/2 --against peer-s1/2
+    .venv/bin/python scripts/per_question.py runs/x/bench runs/x/bench-more --against peer   # two runs joined
 
 A method is named by what follows its `kind:` and precedes its `+options`, or by its whole name where that is
 ambiguous; `--against` takes any part of a name that picks out one method.
@@ -38,18 +40,22 @@ class Answer:
     matches_ar: bool | None
 
 
-def read_answers(bench: Path) -> dict[str, list[Answer]]:
-    """Each method's answers in a bench folder's results.jsonl, in file order."""
-    path = bench / "results.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"{path} does not exist; pass a folder `specheads bench --output` wrote")
+def read_answers(*benches: Path) -> dict[str, list[Answer]]:
+    """Each method's answers in the bench folders' results.jsonl, in file order; a method already read from an
+    earlier folder is not read again."""
     answers: dict[str, list[Answer]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        stats = row["stats"]
-        answers.setdefault(row["method"], []).append(Answer(
-            question=(row["question_id"], row["turn"]), new_tokens=stats["new_tokens"], steps=stats["steps"],
-            accept_per_position=stats.get("accept_per_position") or [], matches_ar=row.get("matches_ar")))
+    for bench in benches:
+        path = bench / "results.jsonl"
+        if not path.is_file():
+            raise SystemExit(f"{path} does not exist; pass a folder `specheads bench --output` wrote")
+        found: dict[str, list[Answer]] = {}
+        for line in path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            stats = row["stats"]
+            found.setdefault(row["method"], []).append(Answer(
+                question=(row["question_id"], row["turn"]), new_tokens=stats["new_tokens"], steps=stats["steps"],
+                accept_per_position=stats.get("accept_per_position") or [], matches_ar=row.get("matches_ar")))
+        answers |= {method: rows for method, rows in found.items() if method not in answers}
     return answers
 
 
@@ -102,11 +108,11 @@ def table(answers: dict[str, list[Answer]], against: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("bench", type=Path, help="a folder `specheads bench --output` wrote")
+    parser.add_argument("bench", type=Path, nargs="+", help="folders `specheads bench --output` wrote")
     parser.add_argument("--against", action="append", default=[],
                         help="the reference method (a part of its name; repeat it for the mean of several)")
     args = parser.parse_args(argv)
-    print(table(read_answers(args.bench), args.against))
+    print(table(read_answers(*args.bench), args.against))
 
 
 if __name__ == "__main__":

@@ -52,3 +52,13 @@ def test_a_reference_that_names_no_single_method_is_refused_with_the_names(tmp_p
         script.table(answers, ["nowhere"])
     with pytest.raises(SystemExit, match="does not exist"):
         script.read_answers(tmp_path / "missing")
+
+
+def test_benches_join_and_a_method_counts_from_the_first_folder_that_has_it(tmp_path):
+    script = load_script("per_question")
+    _write(tmp_path / "one", [("ar", 1, 10, 10, []), ("eagle3:runs/a/final", 1, 10, 5, [1.0])])
+    _write(tmp_path / "two", [("ar", 1, 10, 10, []), ("eagle3:runs/b/final", 1, 10, 4, [1.0, 0.5]),
+                              ("eagle3:runs/a/final", 1, 10, 2, [1.0])])
+    answers = script.read_answers(tmp_path / "one", tmp_path / "two")
+    assert list(answers) == ["ar", "eagle3:runs/a/final", "eagle3:runs/b/final"]
+    assert answers["eagle3:runs/a/final"][0].steps == 5 and len(answers["ar"]) == 1
