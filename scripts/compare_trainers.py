@@ -17,7 +17,12 @@ user of each would run it. The phases:
    batches packed to the tokens of our batch of conversations -> OUT/peer/<epoch>;
 6. one interleaved `specheads bench` run of `ar` and both drafters, each drafting alone (`+lookup=0`) and verifying
    its whole tree (`+node_budget=fixed`: the default budget cuts a tree to what pays on the machine, so τ would
-   measure the machine as much as the drafter) -> OUT/bench.
+   measure the machine as much as the drafter) -> OUT/bench;
+7. `scripts/per_question.py` on that bench: each drafter's τ summed, and question by question against the peer's
+   (the mean of its seeds').
+
+With `--seeds 0,1,2` phases 3 and 5 run once per seed, every seed on the same rows (`data.split_seed`); the config's
+own seed keeps the plain folder names (OUT/ours, OUT/peer), the others add `-sN` (OUT/ours-s1, OUT/peer-s1, ...).
 
 Each phase is skipped when its output is there, so an interrupted run resumes. OUT/summary.json holds the
 settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the table.
@@ -28,6 +33,7 @@ settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the
         --peer-arg=0.002                                                # the peer with our optimizer settings
     .venv/bin/python scripts/compare_trainers.py --ours-variant equal-steps:heads.ttt_decay=1.0
                                                         # also ours with one setting changed, benched beside both
+    .venv/bin/python scripts/compare_trainers.py --seeds 0,1,2  # three of each: the seed spread beside the gap
 """
 
 from __future__ import annotations
@@ -131,6 +137,22 @@ def peer_checkpoint(save_path: Path) -> Path | None:
     return epochs[-1] if epochs else None
 
 
+def seeded(name: str, seed: int, config_seed: int) -> str:
+    """A drafter's folder name: the config's own seed keeps the plain name, so earlier runs' folders are found."""
+    return name if seed == config_seed else f"{name}-s{seed}"
+
+
+def seed_list(text: str) -> list[int]:
+    """`0,1,2` -> [0, 1, 2]."""
+    try:
+        seeds = [int(item) for item in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: write distinct integer seeds separated by commas, e.g. 0,1,2")
+    return seeds
+
+
 def variant(text: str) -> tuple[str, list[str]]:
     """`NAME:KEY=VALUE[,KEY=VALUE...]` -> (NAME, overrides)."""
     name, _, overrides = text.partition(":")
@@ -156,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ours-variant", action="append", default=[], type=variant, metavar="NAME:KEY=VALUE[,...]",
                         help="also train ours with these config overrides into OUT/ours-NAME and bench it beside the "
                              "others (repeat it), e.g. equal-steps:heads.ttt_decay=1.0")
+    parser.add_argument("--seeds", type=seed_list, default=[0], metavar="S[,S...]",
+                        help="train ours, each variant and the peer once per seed, all on the same rows, and bench "
+                             "them all (default 0: one run each); drafters are a percent or two apart from seed to "
+                             "seed, as far apart as the two trainers, so compare several")
     args = parser.parse_args(argv)
     out = (args.out or ROOT / "runs" / f"trainers-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -190,45 +216,51 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"the import split {imported_rows} training rows where speculators' data has {rows['train_rows']}; "
                  "the two trainers would not see the same rows")
 
-    ours = out / "ours"
     summary["variants"] = {name: changes for name, changes in args.ours_variant}
-    for name, changes in [("", []), *args.ours_variant]:
-        folder, key = (out / f"ours-{name}", f"ours-{name}_wall_s") if name else (ours, "ours_wall_s")
-        if not (folder / "final" / "config.json").is_file():
-            summary[key] = run(
-                [PYTHON, "-m", "specheads.train", str(CONFIG), *overrides, *changes, f"output_dir={folder}",
-                 f"data.source={imported / 'data.jsonl'}", "features=offline",
-                 f"feature_cache_dir={imported / 'features'}"],
-                out / f"{folder.name}.log")
-            save()
+    summary["seeds"] = args.seeds
+    drafters: dict[str, Path] = {}
+    for seed in args.seeds:  # the same rows for every seed: the split stays the config's
+        again = [] if seed == cfg.seed else [f"seed={seed}", f"data.split_seed={cfg.split_seed}"]
+        for name, changes in [("", []), *args.ours_variant]:
+            folder = out / seeded(f"ours-{name}" if name else "ours", seed, cfg.seed)
+            if not (folder / "final" / "config.json").is_file():
+                summary[f"{folder.name}_wall_s"] = run(
+                    [PYTHON, "-m", "specheads.train", str(CONFIG), *overrides, *changes, *again,
+                     f"output_dir={folder}", f"data.source={imported / 'data.jsonl'}", "features=offline",
+                     f"feature_cache_dir={imported / 'features'}"],
+                    out / f"{folder.name}.log")
+                save()
+            drafters[folder.name] = folder / "final"
 
-    d2t, t2d = draft_vocab_files(ours / "final", out / "vocab")
+    d2t, t2d = draft_vocab_files(drafters[seeded("ours", args.seeds[0], cfg.seed)], out / "vocab")
     # The peer packs rows into batches of up to total_seq_len tokens; ours takes batch_size rows. Equal tokens per
     # step on average.
     ours_tokens = cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]
-    total_seq_len, epochs, batches = peer_packing(data, rows["train_rows"], ours_tokens, args.steps, cfg.seed)
-    summary["tokens_per_step"] = {"ours": ours_tokens, "peer": rows["train_tokens"] / batches,
-                                  "peer_total_seq_len": total_seq_len}
-    peer = out / "peer"
-    if peer_checkpoint(peer) is None:
-        ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
-        summary["peer_wall_s"] = run(
-            [PYTHON, str(ROOT / "scripts" / "speculators_train_cpu.py"), "--speculator-type", "eagle3",
-             "--verifier-name-or-path", resolve_target(cfg.target), "--data-path", str(data),
-             "--save-path", str(peer), "--log-dir", str(out / "peer-logs"), "--num-layers", str(cfg.heads.num_layers),
-             "--draft-arch", "llama", "--target-layer-ids", *map(str, cfg.heads.aux_layers),
-             "--d2t-path", str(d2t), "--t2d-path", str(t2d), "--draft-vocab-size", str(cfg.draft_vocab_size),
-             "--ttt-steps", str(cfg.heads.ttt_steps), "--draft-attn-impl", "sdpa", "--total-seq-len",
-             str(total_seq_len), "--train-data-ratio", f"{ratio:.8f}", "--hidden-states-dtype", "bfloat16",
-             "--num-workers", "0", "--on-missing", "raise", "--max-steps", str(args.steps), "--epochs", str(epochs),
-             "--seed", str(cfg.seed), "--loss-implementation", "eager",  # its fused losses need Triton (a GPU)
-             *args.peer_arg],
-            out / "peer.log")
-        save()
-    peer_final = peer_checkpoint(peer)
+    peers = []
+    for seed in args.seeds:
+        total_seq_len, epochs, batches = peer_packing(data, rows["train_rows"], ours_tokens, args.steps, seed)
+        summary["tokens_per_step"] = {"ours": ours_tokens, "peer": rows["train_tokens"] / batches,
+                                      "peer_total_seq_len": total_seq_len}
+        peer = out / seeded("peer", seed, cfg.seed)
+        if peer_checkpoint(peer) is None:
+            ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
+            summary[f"{peer.name}_wall_s"] = run(
+                [PYTHON, str(ROOT / "scripts" / "speculators_train_cpu.py"), "--speculator-type", "eagle3",
+                 "--verifier-name-or-path", resolve_target(cfg.target), "--data-path", str(data),
+                 "--save-path", str(peer), "--log-dir", str(out / f"{peer.name}-logs"),
+                 "--num-layers", str(cfg.heads.num_layers), "--draft-arch", "llama",
+                 "--target-layer-ids", *map(str, cfg.heads.aux_layers), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
+                 "--draft-vocab-size", str(cfg.draft_vocab_size), "--ttt-steps", str(cfg.heads.ttt_steps),
+                 "--draft-attn-impl", "sdpa", "--total-seq-len", str(total_seq_len),
+                 "--train-data-ratio", f"{ratio:.8f}", "--hidden-states-dtype", "bfloat16", "--num-workers", "0",
+                 "--on-missing", "raise", "--max-steps", str(args.steps), "--epochs", str(epochs),
+                 "--seed", str(seed), "--loss-implementation", "eager",  # its fused losses need Triton (a GPU)
+                 *args.peer_arg],
+                out / f"{peer.name}.log")
+            save()
+        drafters[peer.name] = peer_checkpoint(peer)
+        peers.append(str(drafters[peer.name]))
 
-    drafters = {"ours": ours / "final", **{f"ours-{name}": out / f"ours-{name}" / "final" for name, _ in
-                                           args.ours_variant}, "peer": peer_final}
     summary["methods"] = {name: f"eagle3:{path}+lookup=0+node_budget=fixed" for name, path in drafters.items()}
     if not (out / "bench" / "summary.json").is_file():
         methods = ["ar", *summary["methods"].values()]
@@ -239,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     save()
     log(f"done: {out / 'bench' / 'summary.md'}, {summary_path}")
     print((out / "bench" / "summary.md").read_text())
+    against = [arg for path in peers for arg in ("--against", f"{path}+")]  # each peer's whole path: one method
+    subprocess.run([PYTHON, str(ROOT / "scripts" / "per_question.py"), str(out / "bench"), *against], check=True)
 
 
 if __name__ == "__main__":

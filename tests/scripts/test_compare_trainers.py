@@ -20,3 +20,12 @@ def test_a_variant_is_a_name_and_its_overrides():
 def test_a_malformed_variant_is_refused_with_the_form_to_write(text):
     with pytest.raises(argparse.ArgumentTypeError, match="NAME:KEY=VALUE"):
         load_script("compare_trainers").variant(text)
+
+
+def test_seeds_are_distinct_integers_and_only_other_seeds_rename_the_folders():
+    script = load_script("compare_trainers")
+    assert script.seed_list("0,1,2") == [0, 1, 2]
+    for text in ("", "0,0", "1,x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="distinct integer seeds"):
+            script.seed_list(text)
+    assert script.seeded("ours-muon", 0, 0) == "ours-muon" and script.seeded("peer", 2, 0) == "peer-s2"
