@@ -29,8 +29,7 @@ settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the
 
     .venv/bin/python scripts/compare_trainers.py                        # 200 steps on 600 conversations
     .venv/bin/python scripts/compare_trainers.py --steps 400 --conversations 1000 --out runs/trainers-long
-    .venv/bin/python scripts/compare_trainers.py --peer-arg=--optimizer --peer-arg=adamw --peer-arg=--lr \\
-        --peer-arg=0.002                                                # the peer with our optimizer settings
+    .venv/bin/python scripts/compare_trainers.py --peer-arg=--lr --peer-arg=0.002   # the peer at our learning rate
     .venv/bin/python scripts/compare_trainers.py --ours-variant equal-steps:heads.ttt_decay=1.0
                                                         # also ours with one setting changed, benched beside both
     .venv/bin/python scripts/compare_trainers.py --seeds 0,1,2  # three of each: the seed spread beside the gap
