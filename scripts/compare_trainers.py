@@ -235,14 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     # The peer packs rows into batches of up to total_seq_len tokens; ours takes batch_size rows. Equal tokens per
     # step on average.
     ours_tokens = cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]
+    summary["tokens_per_step"] = {"ours": ours_tokens}
+    ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
     peers = []
-    for seed in args.seeds:
+    for seed in args.seeds:  # its sampler packs by seed, so each seed's batches and epochs are its own
         total_seq_len, epochs, batches = peer_packing(data, rows["train_rows"], ours_tokens, args.steps, seed)
-        summary["tokens_per_step"] = {"ours": ours_tokens, "peer": rows["train_tokens"] / batches,
-                                      "peer_total_seq_len": total_seq_len}
         peer = out / seeded("peer", seed, cfg.seed)
+        summary["tokens_per_step"][peer.name] = rows["train_tokens"] / batches
+        summary["tokens_per_step"][f"{peer.name}_total_seq_len"] = total_seq_len
         if peer_checkpoint(peer) is None:
-            ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
             summary[f"{peer.name}_wall_s"] = run(
                 [PYTHON, str(ROOT / "scripts" / "speculators_train_cpu.py"), "--speculator-type", "eagle3",
                  "--verifier-name-or-path", resolve_target(cfg.target), "--data-path", str(data),
