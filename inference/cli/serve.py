@@ -24,11 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model name clients send (default: the --target value)")
     p.add_argument("--max-batch", type=int, default=4,
                    help="requests decoded together, one verify forward per step for all (default 4)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get HTTP 429 (default 64)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait beyond the --max-batch being decoded; more get HTTP 429 (default 64)")
     shared.add_max_tokens(p, default=2048, help="the most new tokens one request may ask for (default 2048)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds from arrival (queueing included) after which a request ends with finish_reason "
                         "'timeout' (default 600)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C: new requests get HTTP 503 and /health fails, waiting ones get a 503, "
+                        "running ones have S seconds to finish before they end with finish_reason 'shutdown'; then "
+                        "the server exits (a second signal stops it at once; default 10)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="larger request bodies get HTTP 413 (default 1 MiB)")
     p.add_argument("--speculation", choices=("on", "off", "adaptive"),
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> None:
 
     options = shared.method_options(args)  # checked before anything loads
     mode, profile = speculation_mode(args.speculation, args.calibration)
-    limits = ServiceLimits(max_queue=args.max_queue, max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
+    limits = ServiceLimits(max_queue=args.max_queue, max_tokens=args.max_tokens, request_timeout_s=args.request_timeout,
+                           shutdown_timeout_s=args.shutdown_timeout)
     settings = ServerSettings(model_name=args.model_name or args.target,
                               api_key=args.api_key or os.environ.get("SPECHEADS_API_KEY") or None,
                               max_body_bytes=args.max_body_bytes,

@@ -1,11 +1,13 @@
 """`specheads serve`'s lifecycle: the engine its speculation mode and calibration ask for, and the HTTP server in a
-thread of its own while the engine decodes in the main one, until Ctrl-C or SIGTERM."""
+thread of its own while the engine decodes in the main one, until SIGTERM or Ctrl-C drains it (a second one stops it
+at once)."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,28 +57,49 @@ def serving_engine(model: PreTrainedModel, proposer: Proposer, *, label: str, ma
                   compile=compile)
 
 
+HTTP_CLOSE_S = 5.0  # after the last answer, how long uvicorn may take to write the responses and close
+
+
 def serve(engine: Engine, tokenizer: Any, stop_token_ids: list[int], settings: ServerSettings, limits: ServiceLimits,
           *, host: str, port: int) -> None:
-    """Serve until Ctrl-C or SIGTERM, then stop taking requests, finish the ones being decoded and return.
+    """Serve until SIGTERM or Ctrl-C, then drain and return: new requests get 503 and `/health` fails, waiting ones
+    are answered with a 503, running ones finish, or end with finish reason "shutdown" once
+    `limits.shutdown_timeout_s` has passed. A second signal stops at once (running requests get a 503).
 
     The engine decodes in this (the main) thread, the HTTP server in another: see `GenerationService.run`."""
     import uvicorn
 
     service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name, engine.max_context), limits)
     app = create_app(service, tokenizer, settings)
-    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                         timeout_graceful_shutdown=int(HTTP_CLOSE_S)))
     thread = threading.Thread(target=http.run, name="specheads-http", daemon=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the server as Ctrl-C does
+    previous = {sig: signal.signal(sig, _Shutdown(service)) for sig in (signal.SIGTERM, signal.SIGINT)}
     thread.start()
     try:
+        while not http.started:
+            if not thread.is_alive():  # uvicorn logged why (the port taken, mostly) and gave up
+                raise RuntimeError(f"the HTTP server could not listen on {host}:{port} (its error is above); "
+                                   "free the port or pick another --port")
+            time.sleep(0.05)
         service.run()
     except KeyboardInterrupt:
-        pass
+        log.warning("stopped at once: the requests that were running got an error")
     finally:
         http.should_exit = True
-        thread.join(timeout=30)
-        service.close()
+        thread.join(timeout=HTTP_CLOSE_S + 5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+class _Shutdown:
+    """The signal handler: the first signal drains the service (it only sets its deadline: safe whatever the main
+    thread holds), the second raises KeyboardInterrupt to stop now."""
+
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    def __call__(self, signum, frame) -> None:
+        if self.service.draining:
+            raise KeyboardInterrupt
+        self.service.drain()

@@ -11,8 +11,8 @@ per server): a finished request's latency split into queue, prefill and decode t
 the intervals), its time to first token, inter-token latencies (one per engine step after the first, however many
 tokens the step committed, as vLLM counts them under speculation) and mean time per output token, its prompt and
 generated token counts, and `request_success{finished_reason}` with vLLM's reasons: stop, length (max_tokens or the
-context), abort (a timeout or a client that left) and error (a failed engine step). Everything about a request is
-recorded when it finishes; `prompt_tokens` counts the prompts of requests that were prefilled.
+context), abort (a timeout, a client that left or a shutdown) and error (a failed engine step). Everything about a
+request is recorded when it finishes; `prompt_tokens` counts the prompts of requests that were prefilled.
 `kv_cache_usage_perc` is the share of the batch's KV capacity in use (`Engine.kv_cache_usage`), 0 to 1 as vLLM's.
 """
 
@@ -35,7 +35,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 UNKNOWN_CONTEXT = 1 << 20  # the token-count buckets' bound for a model that states no context length
 # our finish reasons -> vLLM's finished_reason label values
 FINISHED_REASONS = {"stop": "stop", "length": "length", "context": "length", "timeout": "abort",
-                    "cancelled": "abort", "error": "error"}
+                    "cancelled": "abort", "shutdown": "abort", "error": "error"}
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:

@@ -6,10 +6,12 @@ sends server-sent events ending with `data: [DONE]`), `GET /v1/models`, `GET /he
 exact: greedy requests (`temperature: 0`) return the target's own greedy continuation, sampled ones follow its
 distribution at the request's temperature, top_p and top_k, whatever the proposer drafts.
 
-Bad requests get OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`): malformed JSON 400, a
-body without `prompt` or `messages` 422, a sampling setting out of range, an unknown model name or a prompt the
-context cannot hold 400, a body over the size limit 413, a full queue 429, and without the bearer token (when the
-server has an API key) 401. None of them disturbs requests in flight.
+Bad requests get OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`) from one place
+(`request_errors.py`), whichever layer finds the fault: a body that is not UTF-8 JSON, a field of the wrong type, a
+required field missing or null, an argument this server does not know, a sampling setting out of range, an unknown
+model name or a prompt the context cannot hold are 400s naming the field and the fix; a body over the size limit
+413, a full server 429, a server shutting down 503 (and `/health` 503, so a load balancer moves away), and without
+the bearer token (when the server has an API key) 401. None of them disturbs requests in flight.
 
 Structured outputs: `response_format` (`json_object`, `json_schema`) and vLLM's `structured_outputs` (`json`,
 `regex`, `grammar`, `choice`) or `guided_*` fields constrain the answer to a grammar, on both endpoints, streamed or
@@ -34,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
@@ -44,7 +45,8 @@ from specheads.inference.engine.engine import Engine, GenerationResult
 from specheads.inference.engine.grammar import grammar_from_request
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.serve.metrics import ServerMetrics
-from specheads.inference.serve.service import GenerationService, Job, QueueFull, ServiceLimits
+from specheads.inference.serve.request_errors import BadRequest, error_response, install_error_handlers
+from specheads.inference.serve.service import GenerationService, Job, QueueFull, ServiceLimits, ShuttingDown
 from specheads.inference.serve.spec_decode_metrics import check_level, spec_decode_metrics
 from specheads.inference.serve.text_stream import TextStream
 from specheads.target import render_messages
@@ -64,30 +66,42 @@ class ServerSettings:
         check_level(self.spec_decode_metrics)
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
+class _Strict(BaseModel):
+    # As OpenAI's API: an argument it does not know is refused by name (a misspelt one silently ignored would change
+    # an answer without a word), and a value of the wrong type is not coerced ("0.7" is no temperature).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's; this server's chunks carry no obfuscation padding
 
+
+class _Request(_Strict):
+    # null is each field's default, as in OpenAI's API
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # chat: the newer name of max_tokens
-    temperature: float = 1.0  # OpenAI's default: sampling; 0 is greedy
-    top_p: float = 1.0
-    top_k: int = 0  # an extension (as vLLM's): 0 keeps every token
+    temperature: float | None = None  # default 1 (OpenAI's): sampling; 0 is greedy
+    top_p: float | None = None  # default 1
+    top_k: int | None = None  # an extension (as vLLM's): 0 (default) keeps every token
     seed: int | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    logprobs: Any = None
-    echo: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int | None = None
+    logprobs: bool | int | None = None  # a bool in chat, a count in completions
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted and unused: they identify the caller or ask the API to store things, and change no answer.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # Structured outputs (`engine/grammar.py`): OpenAI's field, vLLM's, and vLLM's older per-kind fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -102,22 +116,48 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]  # required and not null: this server takes no tool calls
+    name: str | None = None
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+# Known arguments this server does not implement: (the values that leave them inert, why). Any other value is a 400
+# naming the argument, never a silent change to the answer.
+_INERT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), "one answer per request; send n requests instead"),
+    "best_of": ((None, 1), "one answer per request; send several requests instead"),
+    "logprobs": ((None, False, 0), "this server returns no log probabilities"),
+    "top_logprobs": ((None, 0), "this server returns no log probabilities"),
+    "echo": ((None, False), "the prompt is not returned with the answer"),
+    "suffix": ((None, ""), "there is no insertion mode"),
+    "presence_penalty": ((None, 0.0), "it would change the target's distribution; leave it at 0"),
+    "frequency_penalty": ((None, 0.0), "it would change the target's distribution; leave it at 0"),
+    "logit_bias": ((None, {}), "it would change the target's distribution; leave it out"),
+    "tools": ((None, []), "this server does no tool calling"),
+    "tool_choice": ((None, "none", "auto"), "this server does no tool calling"),
+    "functions": ((None, []), "this server does no function calling"),
+    "function_call": ((None, "none", "auto"), "this server does no function calling"),
+}
 
 
 def create_app(service: GenerationService, tokenizer: Any, settings: ServerSettings) -> FastAPI:
@@ -129,31 +169,22 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
     async def guard(request: Request, call_next):
         if settings.api_key is not None and request.url.path.startswith("/v1/"):
             if request.headers.get("authorization") != f"Bearer {settings.api_key}":
-                return _error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                              "authentication_error")
+                return error_response(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                                      "authentication_error")
         declared = request.headers.get("content-length")
         too_big = f"the request body is over the server's limit of {settings.max_body_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
-            return _error(413, too_big, "invalid_request_error")
+            return error_response(413, too_big)
         if declared is None and request.method == "POST" and len(await request.body()) > settings.max_body_bytes:
-            return _error(413, too_big, "invalid_request_error")
+            return error_response(413, too_big)
         return await call_next(request)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError):
-        errors = err.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error(422, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error", where)
-
-    @app.exception_handler(BadRequest)
-    async def bad(request: Request, err: BadRequest):
-        return _error(err.status, str(err), err.kind, err.param)
+    install_error_handlers(app, [CompletionRequest, ChatRequest])
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health():
+        if service.draining:  # a load balancer's probe fails, so it sends no more requests here
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -178,16 +209,19 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
             ids = [int(t) for t in prompt]
             if any(not 0 <= t < service.engine.vocab_size for t in ids):
                 raise BadRequest(f"prompt token ids must be in [0, {service.engine.vocab_size})", "prompt")
-        if body.echo:
-            raise BadRequest("echo is not supported", "echo")
         return await _serve(body, ids, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         if not body.messages:
             raise BadRequest("messages must hold at least one message", "messages")
-        messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-        return await _serve(body, render_messages(tokenizer, messages), request, chat=True)
+        messages = [{"role": m.role, "content": _text(m.content)} | ({"name": m.name} if m.name else {})
+                    for m in body.messages]
+        try:
+            prompt_ids = render_messages(tokenizer, messages)
+        except Exception as err:  # noqa: BLE001 - a chat template raises what it likes (jinja's TemplateError mostly)
+            raise BadRequest(f"the model's chat template refused these messages: {err}", "messages") from None
+        return await _serve(body, prompt_ids, request, chat=True)
 
     async def _serve(body: _Request, prompt_ids: list[int], request: Request, *, chat: bool):
         if body.model is not None and body.model != settings.model_name:
@@ -222,8 +256,11 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
             service.submit(job)
         except QueueFull as err:
             raise BadRequest(str(err), status=429, kind="rate_limit_error") from None
+        except ShuttingDown as err:
+            raise BadRequest(str(err), status=503, kind="server_error") from None
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage")) or bool(body.spec_decode_metrics)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage) or bool(
+                body.spec_decode_metrics)
             return StreamingResponse(_stream(reply, events, job, text, include_usage), media_type="text/event-stream")
         parts: list[str] = []
         while True:
@@ -244,12 +281,8 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
     return app
 
 
-def _text(content: str | list[dict[str, Any]] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if any(part.get("type") != "text" for part in content):
-        raise BadRequest("only text message content is supported", "messages")
-    return "".join(str(part.get("text", "")) for part in content)
+def _text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 def _max_tokens(body: _Request, chat: bool, limit: int) -> int:
@@ -262,18 +295,20 @@ def _max_tokens(body: _Request, chat: bool, limit: int) -> int:
 
 
 def _sampling(body: _Request) -> SamplingParams:
-    if body.n != 1:
-        raise BadRequest(f"n must be 1 (one answer per request), got {body.n}; send n requests instead", "n")
-    if body.logprobs not in (None, False, 0):
-        raise BadRequest("logprobs are not supported", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0.0:
-            raise BadRequest(f"{name} is not supported: it would change the target's distribution; leave it at 0",
-                             name)
+    if body.top_logprobs is not None and body.top_logprobs < 0:
+        raise BadRequest(f"top_logprobs must be >= 0, got {body.top_logprobs}", "top_logprobs")
+    for name, (inert, why) in _INERT.items():
+        if (value := getattr(body, name, None)) not in inert:  # None where the endpoint has no such field
+            raise BadRequest(f"{name}={value!r} is not supported: {why}", name)
     try:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        return SamplingParams(temperature=_default(body.temperature, 1.0), top_p=_default(body.top_p, 1.0),
+                              top_k=_default(body.top_k, 0), seed=body.seed)
     except ValueError as err:
         raise BadRequest(str(err), str(err).split()[0]) from None
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
@@ -313,8 +348,15 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 def _result(event: tuple) -> GenerationResult:
     _, result, err = event
     if err is not None:
-        raise BadRequest(f"generation failed: {err}", status=500, kind="server_error")
+        raise _failure(err)
     return result
+
+
+def _failure(err: BaseException) -> BadRequest:
+    """The error a client gets for a request that ended without an answer."""
+    if isinstance(err, ShuttingDown):
+        return BadRequest(str(err), status=503, kind="server_error")
+    return BadRequest(f"generation failed: {err}", status=500, kind="server_error")
 
 
 class _Reply:
@@ -363,7 +405,8 @@ class _Reply:
 
 def finish_reason(result: GenerationResult) -> str:
     """OpenAI's names: "stop" (a stop token or string) and "length" (max_tokens or the context); the server's own
-    "timeout" (past --request-timeout) and "cancelled" pass through."""
+    "timeout" (past --request-timeout), "cancelled" and "shutdown" (still running when a shutdown's grace period
+    ended) pass through."""
     reason = result.stats.finish_reason
     return "length" if reason == "context" else reason
 
@@ -384,7 +427,9 @@ async def _stream(reply: _Reply, events: asyncio.Queue, job: Job, text: TextStre
                 continue
             _, result, err = event
             if err is not None:
-                yield sse({"error": {"message": f"generation failed: {err}", "type": "server_error", "code": 500}})
+                failure = _failure(err)
+                yield sse({"error": {"message": str(failure), "type": failure.kind, "param": None,
+                                     "code": failure.status}})
             else:
                 if rest := text.flush():
                     yield reply.chunk(rest)

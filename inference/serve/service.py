@@ -4,7 +4,13 @@ The server (`server.py`) turns HTTP requests into `Job`s and hands them here; th
 the engine's batch (`Engine.add`/`step`, up to `engine.max_rows` at once, joining and leaving between steps), so
 each answer is exactly what `specheads generate` gives for the same prompt and sampling. A job ends at a stop token,
 its token limit, its deadline (`request_timeout_s` from its arrival, queueing included: finish reason "timeout") or
-its cancellation (a client that left: "cancelled"), and its slot goes to the next job at once. A proposer that fails
+its cancellation (a client that left: "cancelled"), and its slot goes to the next job at once.
+
+Admission: the service holds at most `engine.max_rows + max_queue` requests, those being decoded and those waiting;
+one more is refused (`QueueFull`, HTTP 429). Shutdown (`drain`, on SIGTERM or Ctrl-C): nothing more is admitted
+(`ShuttingDown`, HTTP 503), waiting requests are answered with `ShuttingDown`, and running ones finish; those still
+running `shutdown_timeout_s` later end at their next step with finish reason "shutdown". Every admitted request is
+answered. A proposer that fails
 makes its step a plain step (`Engine` fallback): the request completes, the fallback counter moves and the error is
 logged once per reason. Each job keeps its timeline (`request_times.py`) for the request metrics, and every finished
 request's acceptance is logged at debug level (`spec_decode_metrics.log_line`).
@@ -31,11 +37,15 @@ from specheads.inference.serve.spec_decode_metrics import log_line
 log = logging.getLogger(__name__)
 
 
+IDLE_POLL_S = 0.2  # how often an idle worker looks for a shutdown (a signal handler cannot wake a blocked queue)
+
+
 @dataclass(frozen=True)
 class ServiceLimits:
-    max_queue: int = 64  # requests waiting beyond the one being decoded; more are refused (HTTP 429)
+    max_queue: int = 64  # requests waiting beyond the engine's rows being decoded; more are refused (HTTP 429)
     max_tokens: int = 2048  # the most new tokens one request may ask for
     request_timeout_s: float = 600.0  # from arrival to the last token, queueing included
+    shutdown_timeout_s: float = 10.0  # on shutdown, how long running requests may go on before they are ended
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_tokens"):
@@ -43,10 +53,16 @@ class ServiceLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
 
 
 class QueueFull(Exception):
-    """The queue holds `max_queue` requests already."""
+    """The service holds as many requests as it may (decoding and waiting)."""
+
+
+class ShuttingDown(Exception):
+    """The service is draining: it admits nothing more, and a request that was waiting will not run."""
 
 
 @dataclass
@@ -73,7 +89,13 @@ class GenerationService:
                  limits: ServiceLimits = ServiceLimits()) -> None:
         self.engine, self.stop_token_ids, self.metrics, self.limits = engine, list(stop_token_ids), metrics, limits
         engine.fallback = self._fell_back
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=limits.max_queue)
+        self.capacity = engine.max_rows + limits.max_queue  # requests held at once: decoding and waiting
+        self._queue: queue.Queue[Job] = queue.Queue()  # bounded by `capacity`, counted in `_held`
+        self._admission = threading.Lock()  # makes "admit or refuse" and the final refusals one step each
+        self._held = 0  # admitted requests not answered yet
+        # Set once by `drain`, read by the worker and `submit`. A bare assignment, so that a signal handler may do it
+        # while this thread holds any lock.
+        self._drain_deadline: float | None = None
         self._logged_reasons: set[str] = set()
         self._worker = threading.Thread(target=self.run, name="specheads-engine", daemon=True)
         self._drafts = not isinstance(engine.proposer, AutoregressiveProposer)
@@ -83,25 +105,55 @@ class GenerationService:
         """Decode in a thread of its own (`run` there)."""
         self._worker.start()
 
-    def close(self) -> None:
-        """Finish the jobs being decoded, drop the queued ones (their clients get an error) and stop the worker."""
+    @property
+    def draining(self) -> bool:
+        """Whether `drain` was called: nothing more is admitted."""
+        return self._drain_deadline is not None
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Begin the shutdown: admit nothing more, answer the waiting requests with `ShuttingDown`, let the running
+        ones finish, and end those still running `timeout_s` from now (default `limits.shutdown_timeout_s`) with
+        finish reason "shutdown"; `run` returns once every request is answered. Safe in a signal handler; a second
+        call changes nothing."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + (self.limits.shutdown_timeout_s if timeout_s is None
+                                                       else timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """`drain`, then wait for the worker thread (started by `start`) to answer everything and stop."""
+        self.drain(timeout_s)
+        if self._worker.is_alive():
+            self._worker.join(timeout=(self._drain_deadline - time.monotonic()) + 60)
+
+    def submit(self, job: Job) -> None:
+        """Admit `job` (it will be answered through `job.on_done`), or refuse it: `ShuttingDown`, `QueueFull`."""
+        with self._admission:
+            if self.draining:
+                raise ShuttingDown("the server is shutting down and takes no new requests; retry on another replica")
+            if self._held >= self.capacity:
+                raise QueueFull(f"the server holds {self._held} requests already ({self.engine.max_rows} decoding, "
+                                f"{self.limits.max_queue} waiting); retry later")
+            self._held += 1
+            self.metrics.labels(self.metrics.waiting).inc()
+            self._queue.put_nowait(job)
+
+    def _answer(self, job: Job, result: GenerationResult | None, err: BaseException | None) -> None:
+        with self._admission:
+            self._held -= 1
+        job.on_done(result, err)
+
+    def _refuse_waiting(self, why: str) -> None:
+        """Answer every waiting job with `ShuttingDown` (call with `_admission` held where nothing may be admitted
+        after it)."""
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
-                break
-            if job is not None:
-                job.on_done(None, RuntimeError("the server is shutting down"))
-        self._queue.put(None)
-        if self._worker.is_alive():
-            self._worker.join(timeout=60)
-
-    def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self.limits.max_queue} requests are waiting already; retry later") from None
-        self.metrics.labels(self.metrics.waiting).inc()
+                return
+            self.metrics.labels(self.metrics.waiting).dec()
+            self._finished(job, GenerationStats(finish_reason="shutdown"))
+            self._held -= 1
+            job.on_done(None, ShuttingDown(why))
 
     def _show_enabled(self) -> None:
         """Whether the next step (of as many rows as are running now, at least one) may draft."""
@@ -115,23 +167,40 @@ class GenerationService:
             log.warning("speculation fell back to plain decoding (%s): %s: %s", reason, type(err).__name__, err)
 
     def run(self) -> None:
-        """Decode until `close`, in the calling thread. Continuous batching: between engine steps, queued jobs join
-        while rows are free (it blocks on the queue only when nothing is in flight); each finished row answers its job
-        at once.
+        """Decode, in the calling thread, until a `drain` has answered every request. Continuous batching: between
+        engine steps, waiting jobs join while rows are free (it waits on the queue only when nothing is in flight);
+        each finished row answers its job at once.
 
         `specheads serve` calls this from the main thread, the HTTP server running in another: with torch's OpenMP
         backend the main thread's parallel regions reuse a team of spinning workers, and on a 2-core CPU the same
         decode took twice as long from another thread (2.3 s against 4.2 s for 64 tokens of the default target)."""
         jobs: dict[int, Job] = {}  # id(sequence) -> its job
-        closing = False
+        try:
+            self._decode(jobs)
+        finally:  # only a KeyboardInterrupt (a forced stop) leaves jobs here: they are answered all the same
+            for job in jobs.values():
+                self._answer(job, None, ShuttingDown("the server was stopped before this request finished"))
+            with self._admission:
+                self._drain_deadline = self._drain_deadline or time.monotonic()
+                self._refuse_waiting("the server was stopped before this request started")
+
+    def _decode(self, jobs: dict[int, Job]) -> None:
+        logged_drain = False
         while True:
-            while not closing and len(jobs) < self.engine.max_rows:
+            draining = self.draining
+            if draining:
+                if not logged_drain and (jobs or not self._queue.empty()):
+                    log.warning("shutting down: %d running requests have %.1f s to finish, %d waiting ones are refused",
+                                len(jobs), max(0.0, self._drain_deadline - time.monotonic()), self._queue.qsize())
+                logged_drain = True
+                with self._admission:
+                    self._refuse_waiting("the server is shutting down; this request was waiting and did not start")
+                    if not jobs:
+                        return
+            while not draining and len(jobs) < self.engine.max_rows:
                 try:
-                    job = self._queue.get(block=not jobs)
+                    job = self._queue.get(block=not jobs, timeout=IDLE_POLL_S)
                 except queue.Empty:
-                    break
-                if job is None:  # close(): finish what is in flight, admit nothing more
-                    closing = True
                     break
                 self.metrics.labels(self.metrics.waiting).dec()
                 seq = self._admit(job)
@@ -139,8 +208,6 @@ class GenerationService:
                     jobs[id(seq)] = job
                     self.metrics.labels(self.metrics.running).inc()
             if not jobs:
-                if closing:
-                    return
                 continue
             try:
                 finished = self.engine.step()
@@ -149,7 +216,7 @@ class GenerationService:
                 self.engine.abort()
                 for job in jobs.values():
                     self.metrics.record_error()
-                    job.on_done(None, err)
+                    self._answer(job, None, err)
                 self.metrics.labels(self.metrics.kv_cache_usage).set(0.0)
                 self.metrics.labels(self.metrics.running).dec(len(jobs))
                 jobs.clear()
@@ -160,7 +227,7 @@ class GenerationService:
                 job = jobs.pop(id(seq))
                 self.metrics.labels(self.metrics.running).dec()
                 self._finished(job, seq.stats)
-                job.on_done(seq.result(), None)
+                self._answer(job, seq.result(), None)
 
     def _finished(self, job: Job, stats: GenerationStats) -> None:
         job.times.finished = time.monotonic()
@@ -175,12 +242,15 @@ class GenerationService:
         def finish_reason() -> str | None:
             if job.cancelled.is_set():
                 return "cancelled"
-            return "timeout" if time.monotonic() > deadline else None
+            now = time.monotonic()
+            if self._drain_deadline is not None and now >= self._drain_deadline:
+                return "shutdown"
+            return "timeout" if now > deadline else None
 
         if (early := finish_reason()) is not None:
             stats = GenerationStats(finish_reason=early)
             self._finished(job, stats)
-            job.on_done(GenerationResult([], stats), None)
+            self._answer(job, GenerationResult([], stats), None)
             return None
         stop_text: list[str] = []
 
@@ -199,5 +269,5 @@ class GenerationService:
                                    constraint=job.constraint)
         except ValueError as err:  # the server checks requests first; anything left fails this request alone
             self.metrics.record_error()
-            job.on_done(None, err)
+            self._answer(job, None, err)
             return None
