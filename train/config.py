@@ -61,6 +61,9 @@ class TrainConfig:
     target: str = "default"  # "default" (SmolLM2-135M-Instruct), an HF model id or a local folder
     output_dir: str | None = None  # default: runs/<recipe>
     max_steps: int = 300  # optimizer steps
+    # Stop at the first step after this many minutes of training (the target's load, data and feature cache not
+    # counted) as if it were the last: evaluated, saved, measured. The schedule still spans max_steps. None: no limit
+    max_minutes: float | None = None
     seed: int = 0  # data order, initialisation and noise; also the held-out split unless data.split_seed is set
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
     init_heads: str | None = None  # start from these saved heads (a run's final/) for more steps or new data
@@ -99,6 +102,8 @@ class TrainConfig:
             object.__setattr__(self, "output_dir", f"runs/{self.recipe}")
         if self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0 (or null for no time limit), got {self.max_minutes}")
         if self.report_to not in ("none", "wandb"):
             raise ValueError(f"report_to must be 'none' or 'wandb', got {self.report_to!r}")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):

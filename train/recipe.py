@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
@@ -296,7 +296,9 @@ def train(cfg: TrainConfig) -> Path:
     head.train()
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
     tokens_seen, window_start = 0, time.perf_counter()
-    while step < cfg.max_steps:
+    out_of_time = _time_limit(accelerator, cfg.max_minutes)
+    last = step >= cfg.max_steps  # a run resumed at its end trains no more
+    while not last:
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
         for batch in batches:
@@ -315,7 +317,8 @@ def train(cfg: TrainConfig) -> Path:
                 continue
             step += 1
             bar.update(1)
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
+            last = step >= cfg.max_steps or out_of_time()
+            if step % cfg.log_every == 0 or last:
                 # The step's loss and statistics over every process's share of the batch (each process's mean,
                 # averaged), not the first process's alone; every process reaches this line at the same step.
                 local = torch.tensor([float(loss.detach()), *stats.values()], device=accelerator.device)
@@ -326,11 +329,13 @@ def train(cfg: TrainConfig) -> Path:
                       "epoch": epoch})
                 bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}")
                 tokens_seen, window_start = 0, time.perf_counter()
-            if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            if step % cfg.eval_every == 0 or last:
                 emit({"step": step, **evaluate()})
-            if step % cfg.save_every == 0 or step == cfg.max_steps:
+            if step % cfg.save_every == 0 or last:
                 save_checkpoint()
-            if step >= cfg.max_steps:
+            if last:
+                if step < cfg.max_steps:
+                    log.info("stopped at step %d of %d: max_minutes=%s reached", step, cfg.max_steps, cfg.max_minutes)
                 break
         else:
             epoch += 1
@@ -353,6 +358,20 @@ def train(cfg: TrainConfig) -> Path:
     if metrics_file is not None:
         metrics_file.close()
     return final
+
+
+def _time_limit(accelerator: Accelerator, max_minutes: float | None):
+    """A check, made once per optimizer step, of whether `max_minutes` have passed since this call; every process
+    gets the main process's answer (a broadcast), so all stop at the same step."""
+    if max_minutes is None:
+        return lambda: False
+    deadline = time.monotonic() + 60 * max_minutes
+
+    def out_of_time() -> bool:
+        flag = torch.tensor([time.monotonic() >= deadline], dtype=torch.int32, device=accelerator.device)
+        return bool(broadcast(flag, from_process=0).item())
+
+    return out_of_time
 
 
 def held_out_prompts(eval_ds, n: int) -> list[list[int]]:

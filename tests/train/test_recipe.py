@@ -331,3 +331,16 @@ def test_runs_with_one_split_seed_train_on_the_same_rows_and_share_the_feature_c
     assert train_losses(tmp_path / "b") != train_losses(tmp_path / "a")  # the seed itself still counts
     assert train_main(base_args(tiny_run_inputs, tmp_path / "c", *common, "seed=1")) == 0
     assert written() != first
+
+
+def test_max_minutes_ends_the_run_at_the_first_step_past_it_as_its_last(tiny_run_inputs, tmp_path):
+    out = tmp_path / "run"
+    # 6 ms: past by the end of the first step, which is then evaluated, saved and measured like a last step
+    assert train_main(base_args(tiny_run_inputs, out, "max_steps=1000", "max_minutes=0.0001", "eval_every=500",
+                                "save_every=500", "log_every=500")) == 0
+    rows = metrics(out)
+    assert max(r["step"] for r in rows) == 1 and [r["step"] for r in rows if "loss" in r] == [1]
+    assert any("eval/top1_step1" in r for r in rows) and "eval/measured_tau" in rows[-1]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"] and (out / "final" / "config.json").is_file()
+    with pytest.raises(ValueError, match="max_minutes must be > 0"):
+        load_train_config(None, ["recipe=eagle", "max_minutes=0"])
