@@ -13,7 +13,7 @@ from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods import METHODS
 from specheads.kinds import KINDS
 from specheads.train.objective import OBJECTIVES
-from tests.conftest import repetitive_prompt, tiny_model
+from tests.conftest import GPU_TEST_DEVICE, repetitive_prompt, tiny_model
 from tests.drafters import (
     DRAFTERS,
     MAX_NEW,
@@ -77,11 +77,11 @@ def test_cuda_decodes_as_the_cpu_and_bf16_speculation_equals_bf16_ar(kind, arch,
     save_case(kind, cpu, tmp_path)
     prompt = repetitive_prompt()
     reference = Engine(cpu, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW).output_ids
-    gpu = tiny_model(arch).to("cuda")
+    gpu = tiny_model(arch).to(GPU_TEST_DEVICE)
     for values in DRAFTERS[kind].options:
         out = Engine(gpu, proposer_for(kind, gpu, tmp_path, values)).generate(prompt, max_new_tokens=MAX_NEW)
         assert out.output_ids == reference, (kind, values)
-    bf16 = tiny_model(arch).to("cuda", torch.bfloat16)
+    bf16 = tiny_model(arch).to(GPU_TEST_DEVICE, torch.bfloat16)
     ar = Engine(bf16, AutoregressiveProposer()).generate(prompt, max_new_tokens=MAX_NEW).output_ids
     for values in DRAFTERS[kind].options:
         engine = Engine(bf16, proposer_for(kind, bf16, tmp_path, values))

@@ -13,7 +13,7 @@ from specheads.inference.proposers.draft_model import DraftConfig, DraftModelPro
 from specheads.inference.proposers.lookahead import LookaheadProposer
 from specheads.inference.proposers.ngram import NgramProposer
 from specheads.inference.proposers.suffix import SuffixProposer
-from tests.conftest import repetitive_prompt, tiny_model
+from tests.conftest import GPU_TEST_DEVICE, repetitive_prompt, tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def proposers(target):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cuda_matches_cpu(arch):
     cpu = tiny_model(arch)
-    gpu = tiny_model(arch).to("cuda")
+    gpu = tiny_model(arch).to(GPU_TEST_DEVICE)
     prompt = repetitive_prompt()
     reference = Engine(cpu, AutoregressiveProposer()).generate(prompt, max_new_tokens=32).output_ids
     for name, proposer in proposers(gpu):
@@ -38,7 +38,7 @@ def test_cuda_matches_cpu(arch):
 
 
 def test_bf16_speculation_equals_bf16_ar_and_sampling_runs():
-    model = tiny_model("llama").to("cuda", torch.bfloat16)
+    model = tiny_model("llama").to(GPU_TEST_DEVICE, torch.bfloat16)
     prompt = repetitive_prompt()
     ar = Engine(model, AutoregressiveProposer()).generate(prompt, max_new_tokens=32).output_ids
     for name, proposer in proposers(model):
