@@ -21,10 +21,11 @@
 #                each packed drafter, eager and graphed (+compile=1: CUDA graphs), PER_CATEGORY (default 1)
 #                questions of each category, MAX_NEW (default 128) new tokens
 #        train   P-EAGLE heads trained on the device (configs/peagle-smollm2-gpu.yaml, online features, bf16,
-#                `accelerate launch`) for TRAIN_MINUTES (default 2), then benched beside `ar`
+#                `accelerate launch`) for TRAIN_MINUTES (default 1.5), then benched beside `ar`
 #        probe   scripts/step_probe.py on PROBE_SHAPE (default llama-3.1-8b, random weights): one-token step and
 #                16/64-node verify, eager and graphed, and HF generate, against the time to read the weights once
-#    Each step prints as it ends and is cut at its own time limit, so a command stopped early still returns the
+#    Each step prints as it ends and is cut at its own time limit (TESTS_S 60, BENCH_S 140, TRAIN_S 130,
+#    TRAIN_BENCH_S 40, PROBE_S 80: with the unpacking, under 8 minutes), so a command stopped early still returns the
 #    steps before; STEPS (default tests,bench,train,probe) picks some. Results, at most 8 files, go to $OUT
 #    (default .gpu_check/out): log.txt, env.txt, tests.txt, bench.md, bench.jsonl, train.md, train-metrics.jsonl,
 #    probe.json.
@@ -147,11 +148,11 @@ step() {  # step NAME SECONDS COMMAND...: run one step under its time limit, say
     [[ ",${STEPS:-tests,bench,train,probe}," == *",$name,"* ]] || { echo "==> $name: skipped (STEPS)"; return 0; }
     echo "==> $name (at most ${limit} s)"
     local start=$SECONDS rc=0
-    timeout --kill-after=10 "$limit" "$@" || rc=$?
+    timeout --signal=INT --kill-after=10 "$limit" "$@" || rc=$?  # INT: a bench writes what finished
     local took=$((SECONDS - start))
     case $rc in
         0) echo "==> $name: done in ${took} s" ;;
-        124|137) echo "==> $name: cut at its limit of ${limit} s" ;;
+        124|130|137) echo "==> $name: cut at its limit of ${limit} s" ;;
         *) echo "==> $name: failed (exit $rc) after ${took} s" ;;
     esac
 }
@@ -198,7 +199,7 @@ EOF
     "$python" -c "from specheads.target import resolve_target; print('target: ' + resolve_target('$target'))"
 
     # shellcheck disable=SC2086  # GPU_TESTS and TEST_ARGS are word lists
-    step tests "${TESTS_S:-90}" bash -c 'set -o pipefail; "$@" 2>&1 | tee "$0"' "$out/tests.txt" \
+    step tests "${TESTS_S:-60}" bash -c 'set -o pipefail; "$@" 2>&1 | tee "$0"' "$out/tests.txt" \
         env SPECHEADS_GPU_TEST_DEVICE="$device" "$python" -m pytest -q -m gpu -p no:cacheprovider ${TEST_ARGS:--n 4} \
         ${GPU_TESTS:-tests/inference/test_gpu.py tests/test_drafters.py}
 
@@ -215,25 +216,25 @@ EOF
     local bench_args=(--target "$target" --device "$device" --dtype "${DTYPE:-bfloat16}"
                       --questions "$unpacked/questions.jsonl" --per-category "${PER_CATEGORY:-1}"
                       --max-new-tokens "${MAX_NEW:-128}" --no-plots)
-    step bench "${BENCH_S:-200}" "$python" -m specheads.inference.cli bench "${bench_args[@]}" --methods "$methods" \
+    step bench "${BENCH_S:-140}" "$python" -m specheads.inference.cli bench "${bench_args[@]}" --methods "$methods" \
         --output "$work/bench"
     cp "$work/bench/summary.md" "$out/bench.md" 2>/dev/null || true
     cp "$work/bench/results.jsonl" "$out/bench.jsonl" 2>/dev/null || true
 
     local trained="$work/train"
     rm -rf "$trained"
-    step train "${TRAIN_S:-200}" "$python" -m accelerate.commands.launch --num_processes 1 --num_machines 1 \
+    step train "${TRAIN_S:-130}" "$python" -m accelerate.commands.launch --num_processes 1 --num_machines 1 \
         $([[ "$device" == cpu ]] && echo --cpu) \
         -m specheads.train configs/peagle-smollm2-gpu.yaml "target=$target" "output_dir=$trained" \
-        "data.source=$unpacked/data/sharegpt.jsonl" "max_minutes=${TRAIN_MINUTES:-2}" ${TRAIN_ARGS:-}
+        "data.source=$unpacked/data/sharegpt.jsonl" "max_minutes=${TRAIN_MINUTES:-1.5}" ${TRAIN_ARGS:-}
     cp "$trained/metrics.jsonl" "$out/train-metrics.jsonl" 2>/dev/null || true
     if [[ -f "$trained/final/config.json" ]]; then
-        step train "${TRAIN_BENCH_S:-90}" "$python" -m specheads.inference.cli bench "${bench_args[@]}" \
+        step train "${TRAIN_BENCH_S:-40}" "$python" -m specheads.inference.cli bench "${bench_args[@]}" \
             --methods "ar,peagle:$trained/final" --output "$work/train-bench"
         cp "$work/train-bench/summary.md" "$out/train.md" 2>/dev/null || true
     fi
 
-    step probe "${PROBE_S:-150}" "$python" scripts/step_probe.py --shape "${PROBE_SHAPE:-llama-3.1-8b}" \
+    step probe "${PROBE_S:-80}" "$python" scripts/step_probe.py --shape "${PROBE_SHAPE:-llama-3.1-8b}" \
         --device "$device" --dtype "${PROBE_DTYPE:-bfloat16}" --graphs "$graphs" --tokens "${PROBE_TOKENS:-64}" \
         --output "$out/probe.json"
     echo "==> results in $out: $(ls "$out" | tr '\n' ' ')"
