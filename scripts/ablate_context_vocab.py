@@ -27,7 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("heads", nargs="+")
     p.add_argument("--tree", default="cpu")
-    p.add_argument("--questions", default="../shared/data/mt_bench.jsonl")
+    p.add_argument("--questions", default="humaneval")
     p.add_argument("--per-category", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args()

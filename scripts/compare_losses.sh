@@ -21,6 +21,6 @@ done
 dtype=$(.venv/bin/python -c "from specheads.gemm_layout import cpu_has_native_bf16
 print('bfloat16' if cpu_has_native_bf16() else 'auto')")
 .venv/bin/specheads bench --target default --dtype "$dtype" --methods "$methods" \
-    --questions ../shared/data/mt_bench.jsonl --per-category "${PER_CATEGORY:-2}" --max-new-tokens 128 \
+    --questions "${QUESTIONS:-humaneval}" --per-category "${PER_CATEGORY:-2}" --max-new-tokens 128 \
     --output "$run/bench"
 echo "==> results in $run/bench (summary.md)"

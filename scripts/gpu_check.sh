@@ -4,14 +4,14 @@
 # most 64 MiB per command (this checkout included) and keeps git-ignored files between commands.
 #
 # 1. Here, in the environment scripts/setup.sh made:
-#      QUESTIONS=FILE scripts/gpu_check.sh pack [KIND=HEADS_DIR ...]    e.g. peagle=runs/main-X/peagle/final
+#      [QUESTIONS=FILE] scripts/gpu_check.sh pack [KIND=HEADS_DIR ...]  e.g. peagle=runs/main-X/peagle/final
 #    writes .gpu_check/ (git-ignored): one archive cut into parts that each fit one command's 64 MiB beside this
 #    checkout (PART_MIB sets their size), their SHA256SUMS, and RUNS.md, the commands to give the GPU machine, each
 #    with what it carries. The archive holds the target (TARGET: an HF folder, or default, the default target's
 #    GGUF, 98 MB), wheels of the pure-Python packages the check needs that the GPU machine lacks (gguf, datasets,
 #    dill, multiprocess, for its Python: PY_VERSION, default 3.12), TRAIN_CONVERSATIONS (default 3000) ShareGPT
-#    conversations for the training step, the questions (QUESTIONS: a Spec-Bench/MT-bench JSONL file; default
-#    data/structured.jsonl) and the given heads, cast to bf16 (HEADS_BF16=0 keeps their dtype).
+#    conversations for the training step, the questions (QUESTIONS: a Spec-Bench/MT-bench JSONL file or a set by
+#    name; default humaneval) and the given heads, cast to bf16 (HEADS_BF16=0 keeps their dtype).
 # 2. There, from this checkout, one command per part (RUNS.md lists them with what each carries):
 #      scripts/gpu_check.sh stage        every command but the last: checks the parts that arrived (seconds)
 #      scripts/gpu_check.sh run          the last: checks and unpacks all, then measures, in this order:
@@ -43,8 +43,7 @@ CARRY_MIB=64  # what one command may carry to the GPU machine, this checkout inc
 pack() {
     local python="${PYTHON:-$here/.venv/bin/python}"
     [[ -x "$python" ]] || die "no Python at $python; run scripts/setup.sh first or set PYTHON"
-    local questions="${QUESTIONS:-$here/data/structured.jsonl}"
-    [[ -f "$questions" ]] || die "no questions file at $questions; set QUESTIONS to a Spec-Bench/MT-bench JSONL file"
+    local questions="${QUESTIONS:-humaneval}"
     local stage; stage="$(mktemp -d)"
     trap 'rm -rf "$stage"' RETURN
     mkdir -p "$stage/wheels" "$stage/site" "$stage/heads" "$stage/data"
@@ -75,7 +74,14 @@ with open(out, "w", encoding="utf-8") as f:
             break
         f.write(json.dumps(record) + "\n")
 EOF
-    cp "$questions" "$stage/questions.jsonl"
+    "$python" - "$questions" "$stage/questions.jsonl" <<'EOF' || die "QUESTIONS=$questions: see the error above"
+import dataclasses, json, sys
+from specheads.questions import load_questions
+with open(sys.argv[2], "w", encoding="utf-8") as f:
+    for q in load_questions(sys.argv[1]):  # a file or a set by name, written out as the file the run reads
+        row = {k: v for k, v in dataclasses.asdict(q).items() if v is not None}
+        f.write(json.dumps(row | {"turns": list(q.turns)}) + "\n")
+EOF
     local spec kind heads
     for spec in "$@"; do
         kind="${spec%%=*}"; heads="${spec#*=}"

