@@ -18,7 +18,7 @@ import time
 import torch
 
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
-from specheads.inference.engine.engine import tree_forward
+from specheads.inference.engine.forward import tree_forward
 from specheads.inference.engine.tree import DraftTree
 from specheads.target import load_target
 

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from specheads.inference.engine import batch_cache
 from specheads.inference.engine.batch_cache import BatchKVCache
-from specheads.inference.engine.engine import batch_forward, prefill_forward
+from specheads.inference.engine.forward import batch_forward, prefill_forward
 from specheads.inference.engine.lean_forward import LeanForward, target_forward
 from specheads.inference.engine.tree import DraftTree
 from specheads.target import load_target

@@ -86,7 +86,7 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_S
     """
     # Imported here: the engine imports every proposer, and the proposers import this module.
     from specheads.inference.engine.batch_cache import BatchKVCache
-    from specheads.inference.engine.engine import batch_forward, prefill_forward
+    from specheads.inference.engine.forward import batch_forward, prefill_forward
     from specheads.inference.engine.lean_forward import target_forward
 
     if batch < 1:

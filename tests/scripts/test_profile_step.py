@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specheads.inference.engine.batch_cache import BatchKVCache, _RowsLayer
-from specheads.inference.engine.engine import prefill_forward
+from specheads.inference.engine.forward import prefill_forward
 from specheads.inference.engine.lean_forward import lean_forward
 from specheads.inference.engine.tree import DraftTree
 from tests.conftest import tiny_model

@@ -7,7 +7,7 @@ import torch
 
 from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
-from specheads.inference.engine.engine import tree_forward
+from specheads.inference.engine.forward import tree_forward
 from specheads.inference.engine.tree import DraftTree
 
 

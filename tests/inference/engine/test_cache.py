@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
-from specheads.inference.engine.engine import tree_forward
+from specheads.inference.engine.forward import tree_forward
 from specheads.inference.engine.tree import DraftTree
 from tests.conftest import tiny_model
 

@@ -10,7 +10,8 @@ import torch
 from specheads.gemm_layout import packing_available, set_linear_layout
 from specheads.hf import cache_kwargs
 from specheads.inference.engine.batch_cache import BatchKVCache
-from specheads.inference.engine.engine import Engine, batch_forward, prefill_forward
+from specheads.inference.engine.engine import Engine
+from specheads.inference.engine.forward import batch_forward, prefill_forward
 from specheads.inference.engine.lean_forward import SPAN_STEP, lean_forward, lean_unsupported, resolve_step
 from specheads.inference.engine.proposer import AutoregressiveProposer
 from specheads.inference.engine.tree import DraftTree

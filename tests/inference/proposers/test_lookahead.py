@@ -10,8 +10,9 @@ import torch
 
 from specheads.inference import Engine
 from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask
-from specheads.inference.engine.engine import batch_forward, check_proposal
 from specheads.inference.engine.extra_rows import ExtraRows
+from specheads.inference.engine.fallback import check_proposal
+from specheads.inference.engine.forward import batch_forward
 from specheads.inference.engine.lean_forward import target_forward
 from specheads.inference.engine.proposer import AutoregressiveProposer
 from specheads.inference.engine.tree import DraftTree
