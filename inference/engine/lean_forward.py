@@ -22,6 +22,10 @@ goes"). `LeanForward` runs the maths of the HF model's own forward over the engi
    RoPE's tables, the final norm and the LM head stay eager (so `--fp32-head` applies unchanged), and so does a
    row's first prefill, which sizes the cache.
 
+The eager forward and the compiled stack run the same code, `decoder_stack` over `decoder_layer`: they differ only in
+how a layer's products are held (the model's modules in their layouts, or the stack's parameters through `F.linear`)
+and in how it attends (writing the new entries into the cache first, or concatenating them to the committed ones).
+
 Its outputs equal the HF forward's up to the rounding of the fused products (and, compiled, of inductor's
 kernels). Every engine method, `ar` included,
 runs through the same forward, so speculative greedy output still equals plain greedy output
@@ -31,10 +35,13 @@ runs the HF forward (`step="auto"`), or is refused by name (`step="lean"`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -167,30 +174,95 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# --- torch.compile: every setting the compiled stack depends on, here ----------------------------------------------
 
-class _LeanLayer:
-    def __init__(self, layer: nn.Module, layout: str) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.eps = layer.input_layernorm.variance_epsilon
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm, self.k_norm = (q_norm.weight, k_norm.weight) if q_norm is not None else (None, None)
-        self.head_dim, self.scaling, self.q_size = attn.head_dim, attn.scaling, attn.q_proj.out_features
-        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj], layout)
-        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj], layout)
-        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+def compile_stack(stack: nn.Module, device: torch.device) -> nn.Module:
+    """`stack` compiled for `device`: dynamic shapes, one graph; on CPU with inductor's freezing (weights become
+    constants, reordered once for its products), on CUDA as a CUDA graph ("reduce-overhead")."""
+    # every model's stack shares one code object, and its frozen weights are guarded by identity: each model compiled
+    # in a process (a target and its draft model, say) adds a few graphs against dynamo's recompile limit, a
+    # process-wide setting raised (never lowered) here
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(stack, dynamic=True, fullgraph=True,
+                         mode="reduce-overhead" if device.type == "cuda" else None,
+                         options={"freezing": True} if device.type == "cpu" else None)
 
-    def __call__(self, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_layer,
-                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual stream x, its input norm h) -> (x after the layer, the MLP's output to add to it)."""
-        b, w, _ = x.shape
-        q, k, v = attention_inputs(self.qkv(h), cos, sin, self.q_norm, self.k_norm, self.eps, self.q_size,
-                                   self.head_dim)
-        keys, values = cache_layer.write(k, v, mask.shape[-1])
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=q.shape[1] != keys.shape[1])
-        x, h = add_norm(x, self.o_proj(out.transpose(1, 2).reshape(b, w, -1)), self.post_norm, self.eps)
-        return x, self.down_proj(gated(self.gate_up(h)))
+
+def compile_settings() -> contextlib.AbstractContextManager:
+    """Settings around each call of a compiled stack: no duck shaping, so a width that happens to equal another size (a
+    head count, say) is not tied to it and the warm-up's width stands for every width. The switch lives in a private
+    torch config (`torch.fx.experimental._config`); it is patched for the call only."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
+
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # x [..., in] -> [..., out]: one of a layer's linear maps
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, new k, new v -> attention output
+
+
+class LayerParts(NamedTuple):  # a tuple, which torch.compile traces through as plainly as the eager forward
+    """What one decoder layer computes with. The eager forward holds the layer's products as modules (so each weight
+    keeps its layout: packed bf16, column-major fp32, ...); the compiled stack builds them from its parameters with
+    `F.linear`, which inductor's freezing folds into the graph as constants."""
+
+    qkv: Product  # q, k and v in one product
+    o: Product
+    gate_up: Product  # gate and up in one product
+    down: Product
+    post_norm: torch.Tensor  # [H] the post-attention RMSNorm's weight
+    q_norm: torch.Tensor | None  # [D] per-head norms (Qwen3), else None
+    k_norm: torch.Tensor | None
+    eps: float
+    q_size: int  # q's width in the fused qkv output
+    head_dim: int
+    scaling: float
+
+
+def decoder_layer(x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: LayerParts,
+                  attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer, for the eager forward and the compiled stack alike: (residual stream x [B, W, H], its input
+    norm h) -> (x after attention, the MLP's output to add to it). The caller adds that output fused with the next
+    layer's input norm (`add_norm`). `attend` writes or gathers the keys and values (the eager forward writes the new
+    ones into the cache first; the compiled graph attends over the committed ones and the new ones concatenated) and
+    returns the attention output [B, heads, W, D]."""
+    b, w, _ = x.shape
+    q, k, v = attention_inputs(parts.qkv(h), cos, sin, parts.q_norm, parts.k_norm, parts.eps, parts.q_size,
+                               parts.head_dim)
+    out = attend(q, k, v)
+    x, h = add_norm(x, parts.o(out.transpose(1, 2).reshape(b, w, -1)), parts.post_norm, parts.eps)
+    return x, parts.down(gated(parts.gate_up(h)))
+
+
+def decoder_stack(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[LayerParts],
+                  input_norms: list[torch.Tensor], attend: Callable[[int], Attend],
+                  keep_hidden: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Every decoder layer over the embedded inputs x [B, W, H] (`attend(i)`: layer i's attention) -> (the last
+    layer's output, before the final norm; with `keep_hidden`, the embeddings and every layer's output)."""
+    hidden = [x] if keep_hidden else None
+    h = rms_norm(x, input_norms[0], parts[0].eps)
+    for i, layer in enumerate(parts):
+        x, update = decoder_layer(x, h, cos, sin, layer, attend(i))
+        if i + 1 < len(parts):  # the residual add fused with the next layer's input norm
+            x, h = add_norm(x, update, input_norms[i + 1], parts[i + 1].eps)
+        else:
+            x = x + update
+        if hidden is not None:
+            hidden.append(x)
+    return x, hidden
+
+
+def _eager_parts(layer: nn.Module, layout: str) -> tuple[LayerParts, torch.Tensor]:
+    """A model layer's parts for the eager forward (its fused products in `layout`), and its input norm's weight."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    parts = LayerParts(
+        qkv=_fused([attn.q_proj, attn.k_proj, attn.v_proj], layout), o=attn.o_proj,
+        gate_up=_fused([mlp.gate_proj, mlp.up_proj], layout), down=mlp.down_proj,
+        post_norm=layer.post_attention_layernorm.weight,
+        q_norm=q_norm.weight if q_norm is not None else None, k_norm=k_norm.weight if k_norm is not None else None,
+        eps=layer.input_layernorm.variance_epsilon, q_size=attn.q_proj.out_features, head_dim=attn.head_dim,
+        scaling=attn.scaling)
+    return parts, layer.input_layernorm.weight
 
 
 class _CompiledStack(nn.Module):
@@ -199,54 +271,48 @@ class _CompiledStack(nn.Module):
     weights are this module's parameters (the same tensors the eager forward uses), which inductor's freezing folds
     into the graph as constants and, on CPU, reorders once for its own products."""
 
-    def __init__(self, layers: list[_LeanLayer]) -> None:
-        super().__init__()
-        self.specs = [(layer.eps, layer.q_size, layer.head_dim, layer.scaling) for layer in layers]
-        self.qkv = nn.ParameterList([layer.qkv.weight for layer in layers])
-        self.o = nn.ParameterList([layer.o_proj.weight for layer in layers])
-        self.gate_up = nn.ParameterList([layer.gate_up.weight for layer in layers])
-        self.down = nn.ParameterList([layer.down_proj.weight for layer in layers])
-        self.input_norm = nn.ParameterList([layer.input_norm for layer in layers])
-        self.post_norm = nn.ParameterList([layer.post_norm for layer in layers])
-        self.q_norm = nn.ParameterList([layer.q_norm for layer in layers if layer.q_norm is not None])
-        self.k_norm = nn.ParameterList([layer.k_norm for layer in layers if layer.k_norm is not None])
-        biases = {name: [getattr(layer, name).bias for layer in layers] for name in ("qkv", "o_proj", "gate_up",
-                                                                                       "down_proj")}
-        self.biases = {name: nn.ParameterList(b) if b[0] is not None else None for name, b in biases.items()}
-        for name, b in self.biases.items():
-            if b is not None:
-                self.register_module(f"{name}_bias", b)
+    _PRODUCTS = ("qkv", "o", "gate_up", "down")
 
-    def _bias(self, name: str, i: int) -> torch.Tensor | None:
-        b = self.biases[name]
-        return b[i] if b is not None else None
+    def __init__(self, parts: list[LayerParts], input_norms: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.specs = [(p.eps, p.q_size, p.head_dim, p.scaling) for p in parts]
+        for name in self._PRODUCTS:
+            modules = [getattr(p, name) for p in parts]
+            self.register_module(name, nn.ParameterList([m.weight for m in modules]))
+            if modules[0].bias is not None:
+                self.register_module(f"{name}_bias", nn.ParameterList([m.bias for m in modules]))
+        self.input_norm = nn.ParameterList(input_norms)
+        self.post_norm = nn.ParameterList([p.post_norm for p in parts])
+        self.q_norm = nn.ParameterList([p.q_norm for p in parts if p.q_norm is not None])
+        self.k_norm = nn.ParameterList([p.k_norm for p in parts if p.k_norm is not None])
+
+    def _product(self, name: str, i: int) -> Product:
+        weight = getattr(self, name)[i]
+        bias = getattr(self, f"{name}_bias")[i] if hasattr(self, f"{name}_bias") else None
+        return lambda x: F.linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, W, H] embedded inputs; keys/values[i] [B, KV, S, D] layer i's first S slots; mask [B, 1, W, S + W]
         over those slots then the W new entries -> (hidden states [L + 1, B, W, H]: the embeddings and every
         layer's output, the last before the final norm; new keys and values [L, B, KV, W, D])."""
-        b, w, _ = x.shape
-        hidden, new_keys, new_values = [x], [], []
-        h = rms_norm(x, self.input_norm[0], self.specs[0][0])
-        for i, (eps, q_size, head_dim, scaling) in enumerate(self.specs):
-            q_norm = self.q_norm[i] if len(self.q_norm) else None
-            k_norm = self.k_norm[i] if len(self.k_norm) else None
-            q, k, v = attention_inputs(F.linear(h, self.qkv[i], self._bias("qkv", i)), cos, sin, q_norm, k_norm, eps,
-                                       q_size, head_dim)
-            new_keys.append(k)
-            new_values.append(v)
-            out = F.scaled_dot_product_attention(q, torch.cat([keys[i], k], dim=2), torch.cat([values[i], v], dim=2),
-                                                 attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-            x, h = add_norm(x, F.linear(out.transpose(1, 2).reshape(b, w, -1), self.o[i], self._bias("o_proj", i)),
-                            self.post_norm[i], eps)
-            update = F.linear(gated(F.linear(h, self.gate_up[i], self._bias("gate_up", i))), self.down[i],
-                              self._bias("down_proj", i))
-            if i + 1 < len(self.specs):
-                x, h = add_norm(x, update, self.input_norm[i + 1], self.specs[i + 1][0])
-            else:
-                x = x + update
-            hidden.append(x)
+        new_keys, new_values = [], []
+        parts = [LayerParts(*(self._product(name, i) for name in self._PRODUCTS), post_norm=self.post_norm[i],
+                            q_norm=self.q_norm[i] if len(self.q_norm) else None,
+                            k_norm=self.k_norm[i] if len(self.k_norm) else None,
+                            eps=eps, q_size=q_size, head_dim=head_dim, scaling=scaling)
+                 for i, (eps, q_size, head_dim, scaling) in enumerate(self.specs)]
+
+        def attend(i: int) -> Attend:
+            def over_committed_and_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                new_keys.append(k)
+                new_values.append(v)
+                return F.scaled_dot_product_attention(q, torch.cat([keys[i], k], dim=2),
+                                                      torch.cat([values[i], v], dim=2), attn_mask=mask,
+                                                      scale=parts[i].scaling, enable_gqa=q.shape[1] != k.shape[1])
+            return over_committed_and_new
+
+        _, hidden = decoder_stack(x, cos, sin, parts, list(self.input_norm), attend, keep_hidden=True)
         return torch.stack(hidden), torch.stack(new_keys), torch.stack(new_values)
 
 
@@ -268,21 +334,16 @@ class LeanForward:
         # the model's own modules, not the model: `lean_forward`'s per-model store must not keep the model alive
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head = model.get_output_embeddings()
-        self.layers = [_LeanLayer(layer, linear_layout(layer)) for layer in decoder.layers]
+        built = [_eager_parts(layer, linear_layout(layer)) for layer in decoder.layers]
+        self.layers = [parts for parts, _ in built]
+        self.input_norms = [norm for _, norm in built]
         self.compiled = compiled
         self.compile_s = 0.0  # wall time of the calls that compiled a graph
         self._stack = None
         self._warm: set[bool] = set()  # row counts (one: False, several: True) whose graphs are compiled
         if compiled:
             device = model.get_input_embeddings().weight.device
-            # inductor's freezing: weights become constants, reordered once for its CPU products; on CUDA the
-            # step runs as a CUDA graph
-            # every model's stack shares one code object, and its frozen weights are guarded by identity: each model
-            # compiled in a process (a target and its draft model, say) adds a few graphs against dynamo's limit
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._stack = torch.compile(_CompiledStack(self.layers), dynamic=True, fullgraph=True,
-                                        mode="reduce-overhead" if device.type == "cuda" else None,
-                                        options={"freezing": True} if device.type == "cpu" else None)
+            self._stack = compile_stack(_CompiledStack(self.layers, self.input_norms), device)
 
     @staticmethod
     def span(needed: int) -> int:
@@ -325,18 +386,14 @@ class LeanForward:
 
     def _eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: BatchKVCache, mask: torch.Tensor,
                output_hidden_states: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        hidden = [x] if output_hidden_states else None
-        layers = self.layers
-        h = rms_norm(x, layers[0].input_norm, layers[0].eps)
-        for i, (layer, cache_layer) in enumerate(zip(layers, cache.layers)):
-            x, update = layer(x, h, cos, sin, cache_layer, mask)
-            if i + 1 < len(layers):  # the residual add fused with the next layer's input norm
-                x, h = add_norm(x, update, layers[i + 1].input_norm, layers[i + 1].eps)
-            else:
-                x = x + update
-            if hidden is not None:
-                hidden.append(x)
-        return x, hidden
+        def attend(i: int) -> Attend:
+            def over_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                keys, values = cache.layers[i].write(k, v, mask.shape[-1])  # the new entries in place, then attended
+                return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.layers[i].scaling,
+                                                      enable_gqa=q.shape[1] != keys.shape[1])
+            return over_cache
+
+        return decoder_stack(x, cos, sin, self.layers, self.input_norms, attend, output_hidden_states)
 
     def _compiled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: BatchKVCache,
                   trees: list[DraftTree] | None, lengths: list[int]) -> torch.Tensor:  # [L + 1, B, W, H]
@@ -367,9 +424,7 @@ class LeanForward:
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        # no duck shaping: a width that happens to equal another size (a head count, say) is not tied to it, so the
-        # warm-up's width stands for every width
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        with compile_settings():
             out = self._stack(x, cos, sin, [k for k, _ in committed], [v for _, v in committed], mask)
         if counters["stats"]["unique_graphs"] != graphs:
             self.compile_s += time.perf_counter() - start
