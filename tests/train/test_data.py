@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -10,6 +11,8 @@ import datasets
 import pytest
 import torch
 
+from specheads.conversations import is_held_out, opening_prompt
+from specheads.questions import load_questions
 from specheads.train import data
 from specheads.train.data import (
     JsonListStream,
@@ -86,7 +89,8 @@ def test_sharegpt_file_normalised(tmp_path, suffix):
     path.write_text(json.dumps(records) if suffix == ".json" else "\n".join(json.dumps(r) for r in records))
     ds, report = load_conversations(str(path))
     assert ds.column_names == ["messages"]
-    assert report == LoadReport(read=4, kept=2, skipped_no_assistant=1, skipped_bad_role=1, truncated_file=False)
+    assert report == LoadReport(read=4, kept=2, skipped_no_assistant=1, skipped_bad_role=1, truncated_file=False,
+                                held_out=0)
     assert ds[0]["messages"] == msgs(("system", "be brief"), ("user", "hi\n\nthere"), ("assistant", "hello"),
                                      ("user", "q2"), ("assistant", "a2\n\na3"))
     assert ds[1]["messages"] == msgs(("user", "q"), ("assistant", "a"))
@@ -169,6 +173,33 @@ def test_sharegpt_package_first_50_is_fast():
         assert roles[0] == "user" and "assistant" in roles
         assert all(a != b for a, b in zip(roles, roles[1:]))
         assert all(m["content"].strip() for m in messages)
+
+
+def test_the_held_out_rule_is_a_fixed_hash_of_the_stripped_opening_prompt():
+    """The reservation must not drift between versions or runs: recompute it here from its definition."""
+    for prompt, verdict in (("What is the capital of France? (2)", True), ("What is the capital of France?", False)):
+        digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+        assert (int(digest[:8], 16) % 32 == 0) is verdict
+        assert is_held_out(prompt) is verdict and is_held_out(f"  {prompt}\n") is verdict
+
+
+def test_a_local_file_keeps_the_conversations_the_bundled_source_holds_out(tmp_path):
+    prompt = "What is the capital of France? (2)"
+    assert is_held_out(prompt)
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": msgs(("user", prompt), ("assistant", "Paris"))}) + "\n")
+    ds, report = load_conversations(str(path))
+    assert (report.kept, report.held_out) == (1, 0) and opening_prompt(ds[0]["messages"]) == prompt
+
+
+def test_training_on_the_bundled_source_never_reads_the_held_out_questions():
+    # 3000 conversations read past the last record the question set takes (its ids are record indices).
+    ds, report = load_conversations("sharegpt", max_conversations=3000)
+    assert report.kept == 3000 and report.held_out > 0
+    questions = load_questions("sharegpt-heldout")
+    assert max(int(str(q.question_id).removeprefix("sharegpt-")) for q in questions) < report.read
+    opening = {opening_prompt(messages).strip() for messages in ds["messages"]}
+    assert not opening & {q.turns[0] for q in questions}
 
 
 # ---------------------------------------------------------------------------------------- tokenizing
