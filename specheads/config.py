@@ -123,11 +123,6 @@ def read_config_data(path: str | Path | None, overrides: list[str] = ()) -> dict
     return apply_overrides(data, list(overrides))
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
-    """Read YAML at `path` (or start empty), apply overrides, and build + validate `cls`."""
-    return build(cls, read_config_data(path, overrides))
-
-
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Plain YAML/JSON data (tuples become lists), so a saved config compares equal to a loaded one."""
     return _plain(dataclasses.asdict(cfg))

@@ -1,7 +1,8 @@
 """Name -> entry tables that every list of names in the toolkit is derived from.
 
-Three registries use this: drafter kinds in the core (`specheads.kinds.KINDS`), training objectives
-(`specheads.train.objective.OBJECTIVES`) and decoding methods (`specheads.inference.methods.METHODS`).
+Five registries use this: drafter kinds in the core (`specheads.kinds.KINDS`), export formats and checkpoint
+layouts (`specheads.formats.base.EXPORTERS`, `IMPORTERS`), training recipes (`specheads.train.objective.OBJECTIVES`)
+and decoding methods (`specheads.inference.methods.METHODS`).
 Each one fills itself on first use by importing one module whose imports register the built-in
 entries, so a kind's files register themselves and no shared module lists them by name.
 """

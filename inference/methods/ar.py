@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specheads.inference.methods import Method, register_method
+from specheads.inference.methods.method import Method, register_method
 from specheads.inference.methods.options import NoOptions
 
 METHOD = register_method(Method(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specheads.inference.methods import Method, register_method
+from specheads.inference.methods.method import Method, register_method
 from specheads.inference.methods.tree_options import TREES, TreeOptions
 
 METHOD = register_method(Method(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specheads.inference.methods import Method, register_method
+from specheads.inference.methods.method import Method, register_method
 from specheads.inference.methods.options import HeadsOptions, option
 from specheads.static_trees import TYPICAL_ACCURACIES, Tree, build_static_tree, resolve_tree
 

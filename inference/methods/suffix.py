@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specheads.inference.methods import Method, register_method
+from specheads.inference.methods.method import Method, register_method
 from specheads.inference.methods.options import (
     ISOLATE_HELP,
     NODE_BUDGET_HELP,

@@ -22,8 +22,7 @@ from specheads.inference.serve.adaptive import (
     read_profile,
     speculation_policy,
 )
-from specheads.inference.serve.metrics import ServerMetrics
-from specheads.inference.serve.server import ServerSettings, create_app
+from specheads.inference.serve.server import ServerSettings, build_server
 from specheads.inference.serve.service import GenerationService, ServiceLimits
 
 log = logging.getLogger("specheads.serve")
@@ -69,8 +68,7 @@ def serve(engine: Engine, tokenizer: Any, stop_token_ids: list[int], settings: S
     The engine decodes in this (the main) thread, the HTTP server in another: see `GenerationService.run`."""
     import uvicorn
 
-    service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name, engine.max_context), limits)
-    app = create_app(service, tokenizer, settings)
+    app, service = build_server(engine, tokenizer, stop_token_ids, settings, limits)
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                          timeout_graceful_shutdown=int(HTTP_CLOSE_S)))
     thread = threading.Thread(target=http.run, name="specheads-http", daemon=True)

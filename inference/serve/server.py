@@ -444,7 +444,8 @@ async def _stream(reply: _Reply, events: asyncio.Queue, job: Job, text: TextStre
 
 def build_server(engine: Engine, tokenizer: Any, stop_token_ids: list[int], settings: ServerSettings,
                  limits: ServiceLimits = ServiceLimits()) -> tuple[FastAPI, GenerationService]:
-    """The application and its started service (call `service.close()` once the HTTP server stopped)."""
+    """The application and its service, not yet decoding: `launch.serve` runs the service in the main thread
+    (`service.run()`), a test in a thread of its own (`service.start()`, then `service.close()` once the HTTP server
+    stopped). Both wire the server here, the one way."""
     service = GenerationService(engine, stop_token_ids, ServerMetrics(settings.model_name, engine.max_context), limits)
-    service.start()
     return create_app(service, tokenizer, settings), service

@@ -29,6 +29,7 @@ class LiveServer:
         settings = ServerSettings(MODEL, api_key=api_key, max_body_bytes=max_body_bytes,
                                   spec_decode_metrics=spec_decode_metrics)
         self.app, self.service = build_server(engine, tokenizer, stops, settings, ServiceLimits(**limits))
+        self.service.start()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

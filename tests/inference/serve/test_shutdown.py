@@ -101,6 +101,11 @@ def stream_events(url: str, body: dict) -> tuple[int, list]:
 def test_sigterm_drains_running_requests_refuses_waiting_and_new_ones_and_exits_in_time(target, tokenizer):
     server = SlowServer(delay=0.05, max_batch=2, max_queue=4, shutdown_timeout=GRACE_S)
     prompt_long, prompt_short = LONG, "w11 w12 w13"
+    # the references first: computed after the signal, they would count in the time the server takes to exit
+    chat_prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt_short}],
+                                                add_generation_prompt=True, tokenize=False)
+    want_short, want_long = greedy_text(target, tokenizer, chat_prompt, 8), greedy_text(target, tokenizer,
+                                                                                          prompt_long, 200)
     try:
         with ThreadPoolExecutor(4) as pool:
             # running: one far longer than the grace period, one that ends well inside it (streamed)
@@ -133,16 +138,14 @@ def test_sigterm_drains_running_requests_refuses_waiting_and_new_ones_and_exits_
             assert status == 200 and events[-1] == "[DONE]"
             assert events[-2]["choices"][0]["finish_reason"] == "length"  # completed within the grace period
             text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
-            chat_prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt_short}],
-                                                        add_generation_prompt=True, tokenize=False)
-            assert text == greedy_text(target, tokenizer, chat_prompt, 8)
+            assert text == want_short
 
             cut = long.result()
             assert cut.status_code == 200, cut.text
             choice = cut.json()["choices"][0]
             assert choice["finish_reason"] == "shutdown"  # still running when the grace period ended
             assert 0 < cut.json()["usage"]["completion_tokens"] < 200
-            assert greedy_text(target, tokenizer, prompt_long, 200).startswith(choice["text"])  # exact to there
+            assert want_long.startswith(choice["text"])  # exact to there
 
         assert server.proc.wait(timeout=GRACE_S + 10) == 0
         took = time.monotonic() - signalled
