@@ -35,8 +35,7 @@ class BlockTraining(PositionWeighting):
 
     max_anchors: int = 64  # blocks trained per sequence and step
 
-    def __post_init__(self) -> None:
-        PositionWeighting.__post_init__(self)
+    def _check(self) -> None:
         if self.max_anchors < 1:
             raise ValueError(f"heads.max_anchors must be >= 1, got {self.max_anchors}")
 

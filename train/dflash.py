@@ -33,11 +33,6 @@ class DFlashHeadsConfig(FusedHeadsConfig, DFlashBlock, BlockTraining):
     """The `heads:` section of a dflash recipe: the drafter's shape (its block `DFlashBlock`: block_size,
     mask_token_id) and the objective's settings (`BlockTraining`)."""
 
-    def __post_init__(self) -> None:
-        FusedHeadsConfig.__post_init__(self)
-        DFlashBlock.__post_init__(self)
-        BlockTraining.__post_init__(self)
-
 
 def build_dflash(settings: DFlashHeadsConfig, target: torch.nn.Module,
                  draft_vocab: list[int] | None = None) -> DFlashHead:

@@ -33,10 +33,7 @@ class DFlash2HeadsConfig(FusedHeadsConfig, DFlash2Block, BlockTraining):
 
     selector_loss_alpha: float = 1.0  # weight of the selector's k-way cross-entropy
 
-    def __post_init__(self) -> None:
-        FusedHeadsConfig.__post_init__(self)
-        DFlash2Block.__post_init__(self)
-        BlockTraining.__post_init__(self)
+    def _check(self) -> None:
         if self.selector_loss_alpha < 0:
             raise ValueError(f"heads.selector_loss_alpha must be >= 0, got {self.selector_loss_alpha}")
 

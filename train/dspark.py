@@ -37,10 +37,7 @@ class DSparkHeadsConfig(FusedHeadsConfig, DSparkBlock, BlockTraining):
 
     confidence_head_alpha: float = 1.0  # weight of the confidence head's loss
 
-    def __post_init__(self) -> None:
-        FusedHeadsConfig.__post_init__(self)
-        DSparkBlock.__post_init__(self)
-        BlockTraining.__post_init__(self)
+    def _check(self) -> None:
         if self.confidence_head_alpha < 0:
             raise ValueError(f"heads.confidence_head_alpha must be >= 0, got {self.confidence_head_alpha}")
 

@@ -29,9 +29,7 @@ class Eagle3HeadsConfig(FusedHeadsConfig, ChainLayout):
     train_lm_head: bool = True  # False: the draft LM head stays at the target's rows, as speculators' trainer keeps it
     init_std: float | None = None  # None: torch's fan-in uniform; s: matrices from normal(0, s), as HF models start
 
-    def __post_init__(self) -> None:
-        FusedHeadsConfig.__post_init__(self)
-        ChainLayout.__post_init__(self)
+    def _check(self) -> None:
         if self.ttt_steps < 1:
             raise ValueError(f"heads.ttt_steps must be >= 1, got {self.ttt_steps}")
         if not 0.0 < self.ttt_decay <= 1.0:

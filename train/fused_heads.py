@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specheads.checked import Checked
 from specheads.heads.fused_head import check_fused_layers, default_aux_layers
 from specheads.train.divergence import HEAD_LOSSES
 
 
 @dataclass(frozen=True)
-class FusedHeadsConfig:
+class FusedHeadsConfig(Checked):
     """The `heads:` keys of every head that fuses target layers through `fc` (eagle3, peagle, dflash)."""
 
     num_layers: int = 1  # decoder layers in the head (eagle3's first reads cat(embedding, fused features))
@@ -24,7 +25,7 @@ class FusedHeadsConfig:
     feature_noise: float = 0.0  # uniform noise of this amplitude on input features (regularisation)
     loss: str = "cross_entropy"  # against the target's distribution: cross_entropy or a divergence (divergence.py)
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         object.__setattr__(self, "aux_layers", check_fused_layers(self.num_layers, self.aux_layers, "heads."))
         if self.feature_noise < 0:
             raise ValueError(f"heads.feature_noise must be >= 0, got {self.feature_noise}")

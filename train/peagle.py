@@ -48,11 +48,7 @@ class PEagleHeadsConfig(FusedHeadsConfig, ChainLayout, PEagleBlock, PositionWeig
     # thins the deeper ones)
     position_weighting: str = "uniform"
 
-    def __post_init__(self) -> None:
-        FusedHeadsConfig.__post_init__(self)
-        ChainLayout.__post_init__(self)
-        PEagleBlock.__post_init__(self)
-        PositionWeighting.__post_init__(self)
+    def _check(self) -> None:
         if not 0.0 < self.down_sample_ratio <= 1.0 or not 0.0 <= self.down_sample_ratio_min <= 1.0:
             raise ValueError("heads.down_sample_ratio must be in (0, 1] and heads.down_sample_ratio_min in [0, 1], got "
                              f"{self.down_sample_ratio} and {self.down_sample_ratio_min}")

@@ -18,18 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
+from specheads.checked import Checked
+
 WEIGHTINGS = ("uniform", "decay", "dpace")
 
 
 @dataclass(frozen=True)
-class PositionWeighting:
+class PositionWeighting(Checked):
     """The `heads:` keys of a block drafter's slot weights (DFlash, P-EAGLE); `weights` applies them."""
 
     position_weighting: str = "decay"  # slot weights: "uniform", "decay" (exp(-(j-1) / position_decay)) or "dpace"
     position_decay: float = 4.0  # decay: slot j's loss weight is exp(-(j-1) / position_decay)
     dpace_alpha: float = 0.5  # dpace: smoothing of each slot's confidence towards 1 (position_weights.py)
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.position_weighting not in WEIGHTINGS:
             raise ValueError(f"heads.position_weighting must be one of {', '.join(WEIGHTINGS)}, "
                              f"got {self.position_weighting!r}")

@@ -51,10 +51,7 @@ class XPressHeadsConfig(FusedHeadsConfig, XPressBlock, BlockTraining):
     base_anchor_weight: float = 0.6  # weight of the loss of the logits without the bias (0: none)
     base_anchor_full_weight: bool = False  # that loss weighs every slot alike
 
-    def __post_init__(self) -> None:
-        FusedHeadsConfig.__post_init__(self)
-        XPressBlock.__post_init__(self)
-        BlockTraining.__post_init__(self)
+    def _check(self) -> None:
         for key in ("consistency_weight", "base_anchor_weight"):
             if getattr(self, key) < 0:
                 raise ValueError(f"heads.{key} must be >= 0 (0: no such term), got {getattr(self, key)}")

@@ -28,20 +28,21 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from specheads.checked import Checked
 from specheads.draft_layers import draft_layer_classes, draft_layer_config
 from specheads.heads.fused_head import FusedHead, MaskEntries, check_fused_config, with_mask_token
 from specheads.hf import decoder_of
 
 
 @dataclass(frozen=True, kw_only=True)
-class DraftBlock(MaskEntries):
+class DraftBlock(MaskEntries, Checked):
     """What a block drafter's block is, declared and checked here only: a kind's head config and its recipe's
     `heads:` section both take it (through the kind's subclass naming its `KIND`)."""
 
     KIND: ClassVar[str] = "block drafter"  # the kind its messages name (a subclass's own)
     block_size: int = 4  # block length B: the anchor (last committed token) and B-1 masked positions
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.block_size < 2:
             raise ValueError(f"{self.KIND} block_size must be >= 2 (the anchor and at least one drafted position; "
                              f"heads.block_size in a recipe), got {self.block_size}")
@@ -81,8 +82,7 @@ class BlockDrafterConfig(DraftBlock):
     draft_vocab: tuple[int, ...] | None = None  # target ids of the LM head's rows, sorted; None: the whole vocabulary
     layer: dict[str, Any] = field(default_factory=dict)  # draft layer config fields set apart from the target's
 
-    def __post_init__(self) -> None:
-        DraftBlock.__post_init__(self)
+    def _check(self) -> None:
         check_fused_config(self, self.KIND)
 
     @property

@@ -62,8 +62,7 @@ class DFlash2Block(AnchorSlotBlock):
     selector_rank: int = 256  # r, the rank of the candidate selector's bilinear score
     selector_top_k: int = 16  # candidates the selector reranks at each slot (the unary logits' top-k)
 
-    def __post_init__(self) -> None:
-        AnchorSlotBlock.__post_init__(self)
+    def _check(self) -> None:
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"dflash2 {name} must be >= 1 (heads.{name} in a recipe), got {getattr(self, name)}")
@@ -78,9 +77,7 @@ class DFlash2Config(BlockDrafterConfig, DFlash2Block):
 
     KIND: ClassVar[str] = KIND_NAME
 
-    def __post_init__(self) -> None:
-        BlockDrafterConfig.__post_init__(self)
-        DFlash2Block.__post_init__(self)
+    def _check(self) -> None:
         if self.draft_vocab is not None:
             raise ValueError("dflash2 scores the target's whole vocabulary with the target's own LM head, as "
                              "speculators' dflash2 requires; set draft_vocab_size: null in the recipe")

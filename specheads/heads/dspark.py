@@ -46,8 +46,7 @@ class DSparkBlock(AnchorSlotBlock):
     enable_confidence_head: bool = True  # estimate each slot's acceptance (the node budget's estimates)
     confidence_head_with_markov: bool = True  # the confidence head also reads the previous token's W1 row
 
-    def __post_init__(self) -> None:
-        AnchorSlotBlock.__post_init__(self)
+    def _check(self) -> None:
         if self.markov_rank < 0:
             raise ValueError(f"dspark markov_rank must be >= 0 (0: no Markov bias; heads.markov_rank in a recipe), "
                              f"got {self.markov_rank}")
@@ -64,10 +63,6 @@ class DSparkConfig(BlockDrafterConfig, DSparkBlock):
     """What a DSpark drafter is; saved as its checkpoint's `config`."""
 
     KIND: ClassVar[str] = KIND_NAME
-
-    def __post_init__(self) -> None:
-        BlockDrafterConfig.__post_init__(self)
-        DSparkBlock.__post_init__(self)
 
 
 class MarkovBias(nn.Module):

@@ -25,13 +25,14 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from specheads.checked import Checked
 from specheads.draft_layers import draft_layer_classes, draft_layer_config
 from specheads.heads.fused_head import FusedHead, check_fused_config
 from specheads.hf import cache_kwargs, decoder_of
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChainLayout:
+class ChainLayout(Checked):
     """speculators' layout flags of a fused chain head, each an option of its maths (module doc)."""
 
     norm_before_residual: bool = False  # the first layer's residual is hidden_norm(g) instead of g
@@ -39,7 +40,7 @@ class ChainLayout:
     fc_norm: bool = False  # one RMSNorm per aux state before fc (`fc_norm.i`)
     norm_output: bool = False  # later draft steps read the post-norm output (speculators' "Eagle 3.1")
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm exclude each other: set one of them")
 
@@ -59,9 +60,8 @@ class FusedChainConfig(ChainLayout):
     draft_vocab: tuple[int, ...] | None = None  # target ids of the LM head's rows, sorted; None: the whole vocabulary
     layer: dict[str, Any] = field(default_factory=dict)  # draft layer config fields set apart from the target's
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         check_fused_config(self, self.KIND)
-        ChainLayout.__post_init__(self)
 
     @property
     def draft_vocab_size(self) -> int:

@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from specheads.checked import Checked
 from specheads.heads.fused_chain import FusedChainConfig, FusedChainHead
 from specheads.heads.fused_head import MaskEntries, with_mask_token
 from specheads.kinds import DrafterKind, register_kind
@@ -35,13 +36,13 @@ KIND_NAME = "peagle"
 
 
 @dataclass(frozen=True, kw_only=True)
-class PEagleBlock(MaskEntries):
+class PEagleBlock(MaskEntries, Checked):
     """What P-EAGLE adds to the fused chain head's settings, declared and checked here only: `PEagleConfig` and a
     peagle recipe's `heads:` section (`specheads.train.peagle`) both take them."""
 
     num_depths: int = 4  # tokens one forward drafts: the anchor's next token and num_depths - 1 masked positions
 
-    def __post_init__(self) -> None:
+    def _check(self) -> None:
         if self.num_depths < 1:
             raise ValueError(f"peagle num_depths must be >= 1 (tokens drafted per forward; heads.num_depths in a "
                              f"recipe), got {self.num_depths}")
@@ -53,10 +54,6 @@ class PEagleConfig(FusedChainConfig, PEagleBlock):
     checkpoint's `config`."""
 
     KIND: ClassVar[str] = KIND_NAME
-
-    def __post_init__(self) -> None:
-        PEagleBlock.__post_init__(self)
-        FusedChainConfig.__post_init__(self)  # the mask token's range included
 
 
 class PEagleHead(FusedChainHead):

@@ -47,8 +47,7 @@ class XPressBlock(AnchorSlotBlock):
     xpress_mlp_ratio: int = 2  # the refiner MLP's hidden width is r times this
     num_jacobi_passes: int = 6  # refine passes a decoding step runs (K); 0: the block's logits without the bias
 
-    def __post_init__(self) -> None:
-        AnchorSlotBlock.__post_init__(self)
+    def _check(self) -> None:
         if self.xpress_rank < 1:
             raise ValueError(f"xpress xpress_rank must be >= 1 (heads.xpress_rank in a recipe; speculators' default "
                              f"is 256), got {self.xpress_rank}")
@@ -65,10 +64,6 @@ class XPressConfig(BlockDrafterConfig, XPressBlock):
     """What an XPress drafter is; saved as its checkpoint's `config`."""
 
     KIND: ClassVar[str] = KIND_NAME
-
-    def __post_init__(self) -> None:
-        BlockDrafterConfig.__post_init__(self)
-        XPressBlock.__post_init__(self)
 
 
 class CausalRefiner(nn.Module):
