@@ -14,7 +14,7 @@ import statistics
 
 import torch
 
-from specheads.heads.checkpoint import load_drafter
+from specheads.formats.load import load_heads
 from specheads.inference import Engine
 from specheads.inference.methods.tree_options import named_tree
 from specheads.inference.proposers import AutoregressiveProposer
@@ -34,7 +34,7 @@ def main() -> None:
     target, tokenizer = load_target("default", dtype="float32")
     stops = stop_token_ids(tokenizer, target)
     questions = load_questions(args.questions, per_category=args.per_category)
-    heads = {path: load_drafter(path, target, kind="eagle") for path in args.heads}
+    heads = {path: load_heads(path, target, kind="eagle") for path in args.heads}
     engines = {(path, flag): Engine(target, EagleProposer(head, named_tree(args.tree), context_vocab=flag))
                for path, head in heads.items() for flag in (False, True)}
     ar = Engine(target, AutoregressiveProposer())

@@ -119,10 +119,10 @@ def draft_vocab_files(ours: Path, out: Path) -> tuple[Path, Path]:
     """Phase 4: our drafter's draft vocabulary as speculators' d2t/t2d .npy files."""
     import numpy as np
 
-    from specheads.heads.checkpoint import read_checkpoint
+    from specheads.formats.load import read_heads
     from specheads.heads.draft_vocab import speculators_mappings
 
-    config = read_checkpoint(ours).config
+    config = read_heads(ours).config
     d2t, t2d = speculators_mappings(tuple(config["draft_vocab"]), config["vocab_size"])
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "d2t.npy", d2t.numpy())

@@ -32,6 +32,45 @@ def test_inference_never_imports_train():
     assert not bad, bad
 
 
+def imports_formats(path: Path, source: str | None = None) -> list[str]:
+    """Every import of `specheads.formats` (or a module in it) anywhere in `path` (or `source` as if it were that
+    file), at module level or inside a function: `import specheads.formats.base`, `from specheads.formats import
+    x`, `from specheads import formats`, and the relative forms (`from ..formats import x` in specheads/heads/)."""
+    package = ["specheads", *path.relative_to(ROOT / "specheads").parent.parts]
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))
+    modules: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[:len(package) - node.level + 1], *([node.module] if node.module else [])]) \
+                if node.level else node.module or ""
+            modules += [base] + [f"{base}.{a.name}" for a in node.names]
+    return [m for m in modules if m == "specheads.formats" or m.startswith("specheads.formats.")]
+
+
+def test_heads_never_import_formats():
+    """The formats build on the heads' checkpoint (importers return our `Checkpoint`); the heads know only our own
+    format, and reading another engine's layout or a Hub id is `specheads.formats.load`'s job. An import the
+    other way, even inside a function, would make a cycle."""
+    bad = [(str(path.relative_to(ROOT)), m) for path in sorted((ROOT / "specheads" / "heads").rglob("*.py"))
+           for m in imports_formats(path)]
+    assert not bad, bad
+
+
+def test_the_formats_import_check_sees_imports():
+    # Guard against a vacuous pass: each form is flagged, also inside a function, and a look-alike name is not.
+    path = ROOT / "specheads" / "heads" / "checkpoint.py"
+    assert imports_formats(path, "def f():\n    from specheads.formats import import_folder\n")
+    assert imports_formats(path, "import specheads.formats.base\n")
+    assert imports_formats(path, "def f():\n    from specheads import formats\n")
+    assert imports_formats(path, "from ..formats.base import Importer\n")
+    assert imports_formats(path, "from .. import formats\n")
+    assert not imports_formats(path, "from specheads.formats_extra import x\nfrom specheads import hub\n")
+    assert not imports_formats(path, "from . import medusa\nfrom .checkpoint import formats\n")
+    assert imports_formats(ROOT / "specheads" / "formats" / "load.py")  # the files it reads do parse imports
+
+
 # The layers of `specheads.inference`, lowest first: each imports only the layers before it (and itself); the
 # serving and benchmarking layers are side by side and import neither each other nor the command line.
 LAYERS = (("engine",), ("methods",), ("proposers",), ("serve", "bench"), ("cli",))

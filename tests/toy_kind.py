@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.checkpoint import load_drafter
+from specheads.formats.load import load_heads
 from specheads.inference.engine.proposer import ProposalContext
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
@@ -133,7 +133,7 @@ class ToyOptions(HeadsOptions):  # --heads DIR and --lookup N, as every heads me
 
 
 def build_toy_proposer(target, options: ToyOptions, load_draft):
-    head = load_drafter(options.heads, target, kind=NAME)
+    head = load_heads(options.heads, target, kind=NAME)
     return with_heads_options(ToyProposer(head), target, options)
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from specheads.formats.load import load_heads
 from specheads.heads.block_drafter import KV, BlockDrafterHead
-from specheads.heads.checkpoint import load_drafter
 from specheads.inference.engine.proposer import ProposalContext, Proposer
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
@@ -138,7 +138,7 @@ def build_block_proposer(proposer: type[BlockContextProposer], kind: str, target
     """A block drafter method's proposer: the `kind` drafter `options.heads` names (int8 if asked), a tree as deep as
     one forward drafts unless `--depth` says less (`limit(tree, drafter config)` narrows it further where a kind
     must), prompt lookup and the node budget as every heads method has them."""
-    head = load_drafter(options.heads, target, kind=kind)
+    head = load_heads(options.heads, target, kind=kind)
     if options.draft_dtype == "int8":
         quantize_linears(head)
     tree = tree_config(options, options.depth or head.config.drafted)

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from specheads.heads.checkpoint import load_drafter
+from specheads.formats.load import load_heads
 from specheads.inference.engine.batch_cache import BatchKVCache
 from specheads.inference.engine.layer_attention import additive_mask
 from specheads.inference.engine.proposer import ProposalContext, Proposer
@@ -411,7 +411,7 @@ def tree_proposer(target, options: TreeOptions, kind: str,
     """The `kind` heads in `options.heads` drafting the tree `options` name (built by `proposer`, default
     `FusedTreeProposer`), prompt lookup grafted on. A head that drafts a block of `config.num_depths` tokens drafts
     that deep by default, and no deeper."""
-    head = load_drafter(options.heads, target, kind=kind)
+    head = load_heads(options.heads, target, kind=kind)
     depth = options.depth or named_tree(options.tree).depth
     block = getattr(head.config, "num_depths", None)
     if block is not None:

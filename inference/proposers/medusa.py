@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specheads.heads.checkpoint import load_drafter
+from specheads.formats.load import load_heads
 from specheads.heads.medusa import KIND_NAME, MedusaHeads
 from specheads.inference.engine.proposer import ProposalContext, Proposer
 from specheads.inference.engine.tree import DraftTree
@@ -148,7 +148,7 @@ def load_medusa_proposer(path: str | os.PathLike, target_model: nn.Module, tree:
     """
     if max_depth is not None and max_depth < 1:
         raise ValueError(f"the medusa tree depth must be >= 1, got {max_depth}")
-    heads = load_drafter(path, target_model, kind=KIND_NAME)
+    heads = load_heads(path, target_model, kind=KIND_NAME)
     if tree is not None:
         paths = resolve_tree(tree, MEDUSA_TREES)
     elif heads.config.tree is not None:

@@ -2,8 +2,8 @@
 
 An `Exporter` turns one of our checkpoints of one kind into the files a serving engine loads (`--to FORMAT`);
 an `Importer` recognises a foreign folder by its config and tensor names and converts it into our
-`Checkpoint` in memory, so everything that loads heads (`load_drafter`, hence `--heads`) reads it unchanged,
-through the same strict shape checks. Each drafter kind registers its formats from its own file here.
+`Checkpoint` in memory, so everything that loads heads (`load.load_heads`, hence `--heads`) reads it
+unchanged, through the same strict shape checks. Each drafter kind registers its formats from its own file here.
 
 Every export is checked on write against the names and shapes the engine's loader reads (`check_export`):
 a missing tensor, a wrong shape, or a tensor the loader would silently drop is refused by name.

@@ -18,7 +18,8 @@ from pathlib import Path
 from specheads.formats.base import ExportContext, exporter_for
 from specheads.formats.card import model_card
 from specheads.formats.engines import HF_FORMAT
-from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, read_checkpoint
+from specheads.formats.load import read_heads
+from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, Checkpoint
 from specheads.target import DEFAULT_TARGET_ALIASES, DEFAULT_TARGET_HUB_ID, resolve_target
 
 
@@ -66,7 +67,7 @@ def export(run_or_heads: str | Path, fmt: str, output: str | Path, *, target: st
     `speculative_tokens` the draft depth recorded where `fmt` keeps one (default: the drafter's own, 3 for a
     chain drafter; a block drafter refuses more than its block, with a ValueError naming the fix)."""
     source = heads_folder(run_or_heads)
-    ckpt = read_checkpoint(source)
+    ckpt = read_heads(source)
     out = Path(output)
     _fresh(out)
     from transformers import AutoConfig

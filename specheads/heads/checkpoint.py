@@ -8,10 +8,14 @@ kind's config class, `target` records which target the heads were trained for (s
 onto a different target fails with a clear message instead of producing garbage drafts), and
 `metadata` is informational (e.g. the last evaluation of the training run); no loader reads it.
 
-`save_drafter` / `load_drafter` are the one way in and out for every kind. The loader is strict:
-unknown config keys, missing or unexpected tensors and shape mismatches are refused by name.
-Format 1 (before `metadata`) kept the training run's last evaluation as `config["eval"]`; it is
-read as metadata. Formats 1 and 2 named the kind `head_type`. Both still load.
+`save_drafter` / `load_drafter` are the one way in and out of this format for every kind;
+`drafter_from_checkpoint` builds the module from a checkpoint already read. It is strict: unknown config
+keys, missing or unexpected tensors and shape mismatches are refused by name. Format 1 (before `metadata`)
+kept the training run's last evaluation as `config["eval"]`; it is read as metadata. Formats 1 and 2 named
+the kind `head_type`. Both still load.
+
+This module knows only our own format. What `--heads` accepts besides (another engine's layout, a Hub id) is
+read by `specheads.formats.load`, which builds on this module: nothing here imports `specheads.formats`.
 """
 
 from __future__ import annotations
@@ -152,15 +156,21 @@ class Checkpoint:
     metadata: dict
 
 
-def read_checkpoint(path: str | os.PathLike, num_target_layers: int | None = None) -> Checkpoint:
-    """Read a checkpoint folder (any kind, format 1 or 2), a foreign drafter folder another engine's layout
-    (`specheads.formats`), or a Hub id of either (through huggingface_hub's cache); ValueError naming the fix
-    when it is none of these. `num_target_layers` fills in foreign layouts' default aux layers."""
-    from specheads.hub import (
-        resolve_heads,  # the Hub and foreign formats build on this module, not it on them
-    )
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read our checkpoint folder (any kind, format 1, 2 or 3); ValueError naming the fix when it is not one.
+    Another engine's layout or a Hub id is read by `specheads.formats.load.read_heads`."""
+    folder = Path(path)
+    meta = read_config(folder)
+    if isinstance(meta, dict) and not is_ours(meta):
+        raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} is not specheads' own format (it lacks "
+                         "'format_version' or 'kind'); read another engine's layout with "
+                         "specheads.formats.load.read_heads")
+    return checkpoint_from_config(folder, meta)
 
-    folder = resolve_heads(path)
+
+def read_config(folder: Path) -> Any:
+    """The parsed config.json of a heads folder, ours or another engine's; ValueError naming the fix when the
+    folder or the file is missing or is not JSON."""
     if not folder.is_dir():
         raise ValueError(f"heads checkpoint {folder} does not exist or is not a folder; pass the folder that "
                          f"holds {CONFIG_NAME} and {WEIGHTS_NAME} (a training run's output)")
@@ -169,13 +179,13 @@ def read_checkpoint(path: str | os.PathLike, num_target_layers: int | None = Non
         raise ValueError(f"checkpoint {folder} has no {CONFIG_NAME}; it is incomplete or not a heads checkpoint: "
                          "re-export or re-train it")
     try:
-        meta = json.loads(config_file.read_text(encoding="utf-8"))
+        return json.loads(config_file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"checkpoint {folder} is corrupt ({CONFIG_NAME}: {err}); re-export or re-train it") from err
-    if isinstance(meta, dict) and not is_ours(meta):
-        from specheads.formats import import_folder
 
-        return import_folder(folder, meta, num_target_layers)
+
+def checkpoint_from_config(folder: Path, meta: Any) -> Checkpoint:
+    """Our checkpoint in `folder`, whose config.json parsed to `meta`: its keys checked, its weights read."""
     if not isinstance(meta, dict) or any(k not in meta for k in _REQUIRED_KEYS):
         missing = [k for k in _REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
         raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} lacks {missing}; re-export or re-train it")
@@ -224,9 +234,17 @@ def save_drafter(path: str | os.PathLike, module: nn.Module, target: TargetInfo,
 
 def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str | None = None,
                  target_name: str | None = None) -> nn.Module:
-    """The drafter saved in `path`, built for `target_model` on its device, in eval mode.
+    """The drafter saved in our checkpoint folder `path`, built for `target_model` (`drafter_from_checkpoint`).
+    What `--heads` accepts besides (another engine's layout, a Hub id) loads through
+    `specheads.formats.load.load_heads`."""
+    return drafter_from_checkpoint(read_checkpoint(path), target_model, kind=kind, target_name=target_name)
 
-    1. Read the folder; the kind is its `kind` (when `kind` is given, it must match).
+
+def drafter_from_checkpoint(ckpt: Checkpoint, target_model: nn.Module, *, kind: str | None = None,
+                            target_name: str | None = None) -> nn.Module:
+    """The drafter `ckpt` holds (ours or an imported one), built for `target_model` on its device, in eval mode.
+
+    1. The kind is the checkpoint's `kind` (when `kind` is given, it must match).
     2. Check the target has the sizes the heads were trained for.
     3. Build the kind's config strictly: an unknown key is refused with the nearest known one.
     4. Build the module and compare its state dict (minus the target's shared weights) with the file:
@@ -234,7 +252,6 @@ def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str 
     5. Load the weights (cast to the module's dtype), move the module to the target's device and store its
        linear weights in the target's layout (`gemm_layout.py`), which suits the same few-row products.
     """
-    ckpt = read_checkpoint(path, num_target_layers=target_model.config.get_text_config().num_hidden_layers)
     if ckpt.kind not in KINDS:
         raise ValueError(f"checkpoint {ckpt.path} holds {ckpt.kind!r} heads, a kind this specheads does not know "
                          f"({', '.join(KINDS.names())}); upgrade specheads or use a checkpoint of a known kind")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.heads.checkpoint import load_drafter
+from specheads.formats.load import load_heads
 from specheads.inference import Engine
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.target import load_target
@@ -46,7 +46,7 @@ def test_the_peer_trains_its_steps_on_cpu_and_its_drafter_decodes_exactly_here(t
     last = save / "3"
     assert json.loads((last / "training_state.json").read_text())["global_step"] == STEPS
 
-    head = load_drafter(last, target, kind="eagle3")
+    head = load_heads(last, target, kind="eagle3")
     assert head.config.aux_layers == (1, 2, 3)
     prompt = repetitive_prompt()
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specheads.formats.export import export
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.train.block_objective import block_outputs, block_tokens
 from specheads.train.dflash2 import selector_candidates
 from tests.drafters import _dflash2
@@ -129,7 +130,7 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
     with safe_open(tmp_path / "peer" / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys()  # its verifier's, never saved
     model = peer(tmp_path / "peer")
-    head = load_drafter(tmp_path / "peer", target, kind="dflash2")
+    head = load_heads(tmp_path / "peer", target, kind="dflash2")
     assert head.config.block_size == BLOCK and head.config.mask_token_id == MASK and head.config.draft_vocab is None
     assert not head.config.sample_from_anchor and (head.config.selector_rank, head.config.selector_top_k) == (8, 6)
     tokens, feats = features(target, seed=2)
@@ -146,4 +147,4 @@ def test_a_draft_vocabulary_is_refused_by_name(target_dir, tmp_path):  # noqa: F
     config["draft_vocab_size"] = 64
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"scores 64 tokens of a 96-token vocabulary; dflash2 scores the whole"):
-        load_drafter(tmp_path / "peer", target, kind="dflash2")
+        load_heads(tmp_path / "peer", target, kind="dflash2")

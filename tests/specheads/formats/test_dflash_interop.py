@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from specheads.formats.export import export
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.inference import Engine
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.train.dflash import _blocks
@@ -121,7 +122,7 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
     target, target_path = target_dir
     _peer_drafter(target_path, tmp_path / "peer")
     model = peer(tmp_path / "peer")
-    head = load_drafter(tmp_path / "peer", target, kind="dflash")
+    head = load_heads(tmp_path / "peer", target, kind="dflash")
     assert head.config.block_size == BLOCK and head.config.mask_token_id == MASK and head.config.draft_vocab == VOCAB
     tokens, feats = features(target, seed=2)
     theirs, got = both_logits(model, head, tokens, feats, seed=3)
@@ -143,7 +144,7 @@ def test_a_drafter_reading_layers_the_target_lacks_is_refused_by_name(target_dir
     config["aux_hidden_state_layer_ids"] = [1, 2, 30]
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"reads target layers \[30\], which a 4-layer target does not have"):
-        load_drafter(tmp_path / "peer", target, kind="dflash")
+        load_heads(tmp_path / "peer", target, kind="dflash")
 
 
 def test_an_export_of_a_drafter_with_llama_layers_loads_in_speculators(tmp_path):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specheads.formats.export import export
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.train.block_objective import block_outputs, block_tokens
 from tests.drafters import _dspark
 from tests.specheads.formats.test_dflash_interop import ANCHORS, BLOCK, MASK, features
@@ -110,7 +111,7 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
     target, target_path = target_dir
     _peer_drafter(target_path, tmp_path / "peer", **settings)
     model = peer(tmp_path / "peer")
-    head = load_drafter(tmp_path / "peer", target, kind="dspark")
+    head = load_heads(tmp_path / "peer", target, kind="dspark")
     assert head.config.block_size == BLOCK and head.config.mask_token_id == MASK and head.config.draft_vocab == VOCAB
     assert head.config.sample_from_anchor and head.config.markov_rank == 8
     tokens, feats = features(target, seed=2)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specheads.formats.export import export
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.inference import Engine
 from specheads.inference.proposers import AutoregressiveProposer
 from tests.conftest import repetitive_prompt, tiny_model
@@ -131,7 +132,7 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
     save_peer(Eagle3DraftModel(config), tmp_path / "peer")
     model = peer(tmp_path / "peer")
 
-    head = load_drafter(tmp_path / "peer", target, kind="eagle3")
+    head = load_heads(tmp_path / "peer", target, kind="eagle3")
     assert head.config.draft_vocab == VOCAB and head.config.aux_layers == AUX
     tokens, feats = inputs(target, seed=2)
     with torch.no_grad():

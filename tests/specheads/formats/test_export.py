@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from specheads.formats import EXPORTERS
 from specheads.formats.export import export
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.hub import push_folder
 from specheads.inference.cli import main as cli_main
 from tests.conftest import repetitive_prompt, start_proposer, tiny_model
@@ -129,20 +130,20 @@ def test_bad_input_is_refused_by_name(target_dir, tmp_path):
 
     export(heads, "speculators", tmp_path / "spec")
     with pytest.raises(ValueError, match="were trained for target .*hidden 64, vocab 96.*this target has hidden 32"):
-        load_drafter(tmp_path / "spec", tiny_model("llama", hidden=32))
+        load_heads(tmp_path / "spec", tiny_model("llama", hidden=32))
     spec_state = load_file(tmp_path / "spec" / "model.safetensors")
     save_file({**spec_state, "lm_head.weight": torch.zeros(100, 64), "d2t": torch.zeros(100, dtype=torch.long)},
               tmp_path / "spec" / "model.safetensors")
     with pytest.raises(ValueError,
                        match=r"draft vocabulary \(100 tokens\) is larger than the target vocabulary \(96\)"):
-        load_drafter(tmp_path / "spec", target)
+        load_heads(tmp_path / "spec", target)
 
     (tmp_path / "alien").mkdir()
     (tmp_path / "alien" / "config.json").write_text(json.dumps({"architectures": ["Mystery"]}))
     save_file({"w": torch.zeros(1)}, tmp_path / "alien" / "model.safetensors")
     with pytest.raises(ValueError,
                        match=r'matches none of: .*speculators eagle3 \(config.json "speculators_model_type"'):
-        load_drafter(tmp_path / "alien", target)
+        load_heads(tmp_path / "alien", target)
 
 
 def test_pickled_weights_load_only_as_plain_tensors(target_dir, tmp_path):
@@ -160,7 +161,7 @@ def test_pickled_weights_load_only_as_plain_tensors(target_dir, tmp_path):
 
     torch.save({"x": Payload()}, tmp_path / "sg" / "pytorch_model.bin")
     with pytest.raises(ValueError, match="is corrupt or not plain tensors"):
-        load_drafter(tmp_path / "sg", target)
+        load_heads(tmp_path / "sg", target)
 
 
 def test_push_to_hub_creates_the_repo_and_commits_the_export(target_dir, tmp_path):
@@ -315,7 +316,7 @@ def test_speculative_tokens_of_block_drafters_are_honoured_up_to_the_block_and_r
         export(tmp_path / "heads", "speculators", tmp_path / "more", speculative_tokens=block + 1)
     assert not (tmp_path / "more").exists()
     if kind == "peagle":  # the recorded block is the imported one
-        assert load_drafter(tmp_path / "fewer", target, kind=kind).config.num_depths == 2
+        assert load_heads(tmp_path / "fewer", target, kind=kind).config.num_depths == 2
 
 
 def test_every_declared_format_is_written_for_some_kind_and_an_undeclared_one_is_refused():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specheads.formats.export import export
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.inference import Engine
 from specheads.inference.proposers import AutoregressiveProposer
 from specheads.train.peagle import block_forward
@@ -118,7 +119,7 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
     save_peer(PEagleDraftModel(config), tmp_path / "peer")
     model = peer(tmp_path / "peer")
 
-    head = load_drafter(tmp_path / "peer", target, kind="peagle")
+    head = load_heads(tmp_path / "peer", target, kind="peagle")
     assert head.config.mask_token_id == MASK and head.config.num_depths == DEPTHS and head.config.draft_vocab == VOCAB
     tokens, feats = inputs(target, length=12, seed=2)
     theirs, got = both_logits(model, head, tokens, feats, seed=3)
@@ -141,7 +142,7 @@ def test_an_export_without_a_mask_token_is_refused_by_name(target_dir, tmp_path)
     del config["mask_token_id"]
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="mask_token_id"):
-        load_drafter(tmp_path / "spec", target, kind="peagle")
+        load_heads(tmp_path / "spec", target, kind="peagle")
 
 
 def test_an_export_of_heads_with_llama_layers_loads_in_speculators(tmp_path):

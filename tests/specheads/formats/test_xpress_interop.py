@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specheads.formats.export import export
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.train.block_objective import BlockStep, block_outputs
 from specheads.train.xpress import xpress_blocks
 from tests.drafters import _xpress
@@ -125,7 +126,7 @@ def test_a_drafter_speculators_builds_imports_here_with_the_same_logits_and_deco
     target, target_path = target_dir
     _peer_drafter(target_path, tmp_path / "peer")
     model = peer(tmp_path / "peer")
-    head = load_drafter(tmp_path / "peer", target, kind="xpress")
+    head = load_heads(tmp_path / "peer", target, kind="xpress")
     assert head.config.block_size == BLOCK and head.config.mask_token_id == MASK and head.config.draft_vocab == VOCAB
     assert not head.config.sample_from_anchor and head.config.xpress_rank == 8 and head.config.num_jacobi_passes == 2
     tokens, feats = features(target, seed=2)
