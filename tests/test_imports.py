@@ -1,4 +1,5 @@
-"""Dependency direction: specheads imports neither train nor inference; inference never imports train."""
+"""Dependency direction: specheads imports neither train nor inference; inference never imports train; training uses
+inference through one function."""
 
 from __future__ import annotations
 
@@ -29,6 +30,33 @@ def test_core_imports_neither_train_nor_inference():
 
 def test_inference_never_imports_train():
     bad = [(f, m) for f, m in imported_modules(ROOT / "inference") if m.startswith("specheads.train")]
+    assert not bad, bad
+
+
+def imported_names(folder: Path, package: str) -> set[tuple[str, str]]:
+    """(module, name) of every `from MODULE import name` under `folder` where MODULE is in `package`."""
+    found = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
+                found |= {(node.module, a.name) for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {(a.name, "*") for a in node.names if a.name.startswith(package)}
+    return found
+
+
+def test_training_enters_inference_through_measure_drafter_alone():
+    # the measured-τ step is training's one use of the engine; model definitions live in the core
+    assert imported_names(ROOT / "train", "specheads.inference") == {
+        ("specheads.inference.bench.runner", "measure_drafter")}
+
+
+def test_method_modules_never_import_their_package():
+    # the package's __init__ imports every method module (builtin.py): a method module importing the package would
+    # import it half-built
+    methods = ROOT / "inference" / "methods"
+    bad = [(f, m) for f, m in imported_modules(methods) if m == "specheads.inference.methods"
+           and not f.endswith(("__init__.py", "builtin.py"))]  # builtin.py imports the method modules themselves
     assert not bad, bad
 
 

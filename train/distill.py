@@ -27,18 +27,16 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from specheads.hf import decoder_of
-from specheads.inference.proposers.draft_model import (
+from specheads.draft_models import (
     EARLY_EXIT,
+    ParallelSpec,
     check_same_vocabulary,
     early_exit_model,
-    vocab_size,
-)
-from specheads.inference.proposers.parallel_draft import (
-    ParallelSpec,
     mark_parallel,
     parallel_spec,
+    vocab_size,
 )
+from specheads.hf import decoder_of
 from specheads.train.class_top1 import TOKEN_HITS, token_hits
 from specheads.train.data import next_token_positions
 from specheads.train.divergence import DIVERGENCES, check_divergence, token_divergence, token_divergences

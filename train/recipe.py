@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +26,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
+from specheads.formats.load import read_heads
 from specheads.gemm_layout import cpu_has_native_bf16
-from specheads.heads.checkpoint import read_checkpoint
-from specheads.inference.bench.runner import measure
-from specheads.inference.methods import METHODS
+from specheads.inference.bench.runner import measure_drafter
 from specheads.target import load_target, stop_token_ids
 from specheads.token_classes import token_classes
 from specheads.train.class_top1 import TOKEN_HITS, class_row, class_sums
@@ -147,7 +147,7 @@ def run_draft_vocabulary(cfg: TrainConfig, out: Path, train_ds, vocab_size: int,
     if resuming and saved.is_file():
         return json.loads(saved.read_text())["draft_vocab"]
     if cfg.init_heads:
-        ids = read_checkpoint(cfg.init_heads).config.get("draft_vocab")
+        ids = read_heads(cfg.init_heads).config.get("draft_vocab")
         if ids is not None or cfg.draft_vocab_size is None:
             log.info("draft vocabulary: %s ids from init_heads=%s", "all" if ids is None else len(ids), cfg.init_heads)
             return ids
@@ -157,7 +157,7 @@ def run_draft_vocabulary(cfg: TrainConfig, out: Path, train_ds, vocab_size: int,
 def init_from_heads(head: torch.nn.Module, path: str, kind: str, target: torch.nn.Module, target_name: str) -> None:
     """Load saved heads' weights into a freshly built head of the same shape (built with their draft vocabulary,
     see `run_draft_vocabulary`)."""
-    ckpt = read_checkpoint(path)
+    ckpt = read_heads(path)
     if ckpt.kind != kind:
         raise ValueError(f"init_heads={path} holds {ckpt.kind} heads; this recipe can only start from {kind} heads")
     ckpt.target.check_compatible(target, target_name, checkpoint=path)
@@ -177,187 +177,257 @@ def init_from_heads(head: torch.nn.Module, path: str, kind: str, target: torch.n
 
 def train(cfg: TrainConfig) -> Path:
     """Train heads per `cfg`; returns the folder of the final heads."""
-    objective = OBJECTIVES.get(cfg.recipe)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.optim.grad_accum,
-        mixed_precision=_mixed_precision(cfg),
-        log_with="wandb" if cfg.report_to == "wandb" else None,
-        project_dir=cfg.output_dir,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        # The LR schedule counts optimizer steps whatever the process count (accelerate would otherwise step it once
-        # per process and step), so it runs as configured and a checkpoint resumes under another process count.
-        step_scheduler_with_optimizer=False,
-    )
-    check_launch(accelerator, cfg, objective)
-    keep_models_whole(accelerator)
-    set_seed(cfg.seed)
-    out = Path(cfg.output_dir)
-    resume_from = latest_checkpoint(out) if cfg.resume else None
-    if cfg.resume:
-        _check_resume_config(out, cfg)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(train_config_dict(cfg), sort_keys=False), encoding="utf-8")
-    accelerator.wait_for_everyone()
+    run = TrainingRun(cfg)
+    run.fit()
+    return run.finish()
 
-    if cfg.shard_target:  # before the target loads: a one-process launch is refused at once
-        check_shardable(accelerator.num_processes)
-    target, tokenizer = load_target(cfg.target,
-                                    device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
-    shards = shard_target(target, accelerator) if cfg.shard_target else None
-    if shards is not None:
-        log.info("target sharded over %d processes: this one holds %d of its %d decoder weights (and %d whole)",
-                 accelerator.num_processes, shards.held, shards.total, shards.whole)
-    with accelerator.main_process_first():
-        conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
-                                                  skip_conversations=cfg.data.skip_conversations)
-        tokenized = tokenize_dataset(conversations, tokenizer, cfg.data.max_length)
-    train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.split_seed)
-    eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
-    log.info("data: %s; %d train / %d eval conversations", report, len(train_ds), len(eval_ds))
-    pad = pad_token_id(tokenizer)
-    train_collate, eval_collate = (lambda ex: collate(ex, pad)), (lambda ex: collate(ex, pad))
-    if cfg.features == "offline":
-        train_collate, eval_collate = _offline_collates(cfg, objective, accelerator, target, train_ds, eval_ds, pad)
-    columns = ["input_ids", "loss_mask", "row"]
-    train_ds = train_ds.add_column("row", list(range(len(train_ds))))
-    eval_ds = eval_ds.add_column("row", list(range(len(eval_ds))))
-    loader = DataLoader(train_ds.select_columns(columns), batch_size=cfg.optim.batch_size, shuffle=True,
-                        collate_fn=train_collate, generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = DataLoader(eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size, collate_fn=eval_collate)
 
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    draft_vocab = run_draft_vocabulary(cfg, out, train_ds, vocab_size, resuming=resume_from is not None)
-    if accelerator.is_main_process:
-        (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"draft_vocab": draft_vocab}) + "\n")
-    head = objective.build(cfg.heads, target, draft_vocab)
-    if cfg.init_heads and resume_from is None:
-        init_from_heads(head, cfg.init_heads, objective.kind, target, cfg.target)
-    optimizer = build_optimizer(head, objective.param_groups(head, cfg.optim.lr, cfg.heads), cfg.optim,
-                                vocab_sizes=(vocab_size, *([len(draft_vocab)] if draft_vocab else [])))
-    schedules = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup}
-    scheduler = schedules[cfg.optim.schedule](optimizer, cfg.optim.warmup_steps, cfg.max_steps)
-    head, optimizer, loader, eval_loader, scheduler = accelerator.prepare(head, optimizer, loader, eval_loader,
-                                                                          scheduler)
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint saves and a resume restores."""
 
-    step, epoch, batches_done = 0, 0, 0
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        state = json.loads((resume_from / STATE_FILE).read_text())
-        step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
-        log.info("resumed from %s at step %d", resume_from, step)
-    if cfg.report_to == "wandb":
-        accelerator.init_trackers("specheads", config=train_config_dict(cfg),
-                                  init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batches_done: int = 0  # batches of this epoch consumed (grad_accum batches make one step)
 
-    if accelerator.is_main_process and resume_from is not None:
-        _keep_metrics_through(out / "metrics.jsonl", step)
-    metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if accelerator.is_main_process else None
 
-    def emit(row: dict) -> None:
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-        accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+class TrainingRun:
+    """One run of a recipe, in phases (as torchtune's recipes are): building it sets everything up (`_start`: the
+    accelerator and the run folder; `_load_data`; `_build_drafter`: heads, optimizer, schedule; `_resume`), then
+    `fit` runs the optimizer steps, logging, evaluating and saving checkpoints as configured, and `finish` saves the
+    final heads and measures their τ. Every process builds one and runs the same phases."""
 
-    if shards is not None and step == 0:  # what each process holds, for the record
-        held = accelerator.gather(torch.tensor([shards.held], device=accelerator.device)).tolist()
-        emit({"step": 0, "target_decoder_weights": shards.total, "target_decoder_weights_held": held,
-              "target_weights_whole_per_process": shards.whole})
-    last_eval_extra: list = []  # [extra] once an evaluation ran in this process
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.objective = OBJECTIVES.get(cfg.recipe)
+        self.out = Path(cfg.output_dir)
+        self.progress = Progress()
+        self._start()
+        self._load_data()
+        self._build_drafter()
+        self._resume()
+        self._last_eval_extra: list = []  # [extra] once an evaluation ran in this process
 
-    classes = token_classes(tokenizer, vocab_size, stop_token_ids(tokenizer, target))  # for top-1 by token class
+    # --- set-up ------------------------------------------------------------------------------------------------
 
-    def evaluate() -> dict:
+    def _start(self) -> None:
+        """The accelerator, the run folder with its config, the target (sharded where asked)."""
+        cfg = self.cfg
+        self.accelerator = accelerator = Accelerator(
+            gradient_accumulation_steps=cfg.optim.grad_accum,
+            mixed_precision=_mixed_precision(cfg),
+            log_with="wandb" if cfg.report_to == "wandb" else None,
+            project_dir=cfg.output_dir,
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            # The LR schedule counts optimizer steps whatever the process count (accelerate would otherwise step it
+            # once per process and step), so it runs as configured and a checkpoint resumes under another process
+            # count.
+            step_scheduler_with_optimizer=False,
+        )
+        check_launch(accelerator, cfg, self.objective)
+        keep_models_whole(accelerator)
+        set_seed(cfg.seed)
+        self.resume_from = latest_checkpoint(self.out) if cfg.resume else None
+        if cfg.resume:
+            _check_resume_config(self.out, cfg)
+        if accelerator.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(yaml.safe_dump(train_config_dict(cfg), sort_keys=False),
+                                                  encoding="utf-8")
+        accelerator.wait_for_everyone()
+
+        if cfg.shard_target:  # before the target loads: a one-process launch is refused at once
+            check_shardable(accelerator.num_processes)
+        self.target, self.tokenizer = load_target(
+            cfg.target, device=str(accelerator.device) if accelerator.device.type != "cpu" else "cpu")
+        self.shards = shard_target(self.target, accelerator) if cfg.shard_target else None
+        if self.shards is not None:
+            log.info("target sharded over %d processes: this one holds %d of its %d decoder weights (and %d whole)",
+                     accelerator.num_processes, self.shards.held, self.shards.total, self.shards.whole)
+        self.vocab_size = self.target.get_output_embeddings().weight.shape[0]
+
+    def _load_data(self) -> None:
+        """Conversations, tokenized and split by conversation; the loaders (with cached features when offline)."""
+        cfg, accelerator = self.cfg, self.accelerator
+        with accelerator.main_process_first():
+            conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
+                                                      skip_conversations=cfg.data.skip_conversations)
+            tokenized = tokenize_dataset(conversations, self.tokenizer, cfg.data.max_length)
+        train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.split_seed)
+        eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
+        log.info("data: %s; %d train / %d eval conversations", report, len(train_ds), len(eval_ds))
+        pad = pad_token_id(self.tokenizer)
+        train_collate, eval_collate = (lambda ex: collate(ex, pad)), (lambda ex: collate(ex, pad))
+        if cfg.features == "offline":
+            train_collate, eval_collate = _offline_collates(cfg, self.objective, accelerator, self.target, train_ds,
+                                                            eval_ds, pad)
+        columns = ["input_ids", "loss_mask", "row"]
+        self.train_ds = train_ds.add_column("row", list(range(len(train_ds))))
+        self.eval_ds = eval_ds.add_column("row", list(range(len(eval_ds))))
+        self.loader = DataLoader(self.train_ds.select_columns(columns), batch_size=cfg.optim.batch_size, shuffle=True,
+                                 collate_fn=train_collate, generator=torch.Generator().manual_seed(cfg.seed))
+        self.eval_loader = DataLoader(self.eval_ds.select_columns(columns), batch_size=cfg.optim.batch_size,
+                                      collate_fn=eval_collate)
+
+    def _build_drafter(self) -> None:
+        """The draft vocabulary, the heads (initialised from saved ones where asked), optimizer and schedule, all
+        prepared by the accelerator."""
+        cfg, accelerator, out = self.cfg, self.accelerator, self.out
+        draft_vocab = run_draft_vocabulary(cfg, out, self.train_ds, self.vocab_size,
+                                           resuming=self.resume_from is not None)
+        if accelerator.is_main_process:
+            (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"draft_vocab": draft_vocab}) + "\n")
+        head = self.objective.build(cfg.heads, self.target, draft_vocab)
+        if cfg.init_heads and self.resume_from is None:
+            init_from_heads(head, cfg.init_heads, self.objective.kind, self.target, cfg.target)
+        optimizer = build_optimizer(head, self.objective.param_groups(head, cfg.optim.lr, cfg.heads), cfg.optim,
+                                    vocab_sizes=(self.vocab_size, *([len(draft_vocab)] if draft_vocab else [])))
+        schedules = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup}
+        scheduler = schedules[cfg.optim.schedule](optimizer, cfg.optim.warmup_steps, cfg.max_steps)
+        self.head, self.optimizer, self.loader, self.eval_loader, self.scheduler = accelerator.prepare(
+            head, optimizer, self.loader, self.eval_loader, scheduler)
+        # for top-1 by token class in evaluations
+        self.classes = token_classes(self.tokenizer, self.vocab_size, stop_token_ids(self.tokenizer, self.target))
+
+    def _resume(self) -> None:
+        """Restore the last checkpoint's state (resuming), start the trackers and open the metrics file."""
+        cfg, accelerator, out = self.cfg, self.accelerator, self.out
+        if self.resume_from is not None:
+            accelerator.load_state(str(self.resume_from))
+            state = json.loads((self.resume_from / STATE_FILE).read_text())
+            self.progress = Progress(state["step"], state["epoch"], state["batches_done"])
+            log.info("resumed from %s at step %d", self.resume_from, self.progress.step)
+        if cfg.report_to == "wandb":
+            accelerator.init_trackers("specheads", config=train_config_dict(cfg),
+                                      init_kwargs={"wandb": {"name": out.name, "dir": str(out)}})
+        if accelerator.is_main_process and self.resume_from is not None:
+            _keep_metrics_through(out / "metrics.jsonl", self.progress.step)
+        self.metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if accelerator.is_main_process else None
+        if self.shards is not None and self.progress.step == 0:  # what each process holds, for the record
+            held = accelerator.gather(torch.tensor([self.shards.held], device=accelerator.device)).tolist()
+            self.emit({"step": 0, "target_decoder_weights": self.shards.total, "target_decoder_weights_held": held,
+                       "target_weights_whole_per_process": self.shards.whole})
+
+    # --- what the phases share ---------------------------------------------------------------------------------
+
+    def emit(self, row: dict) -> None:
+        """One row of metrics: to metrics.jsonl (main process) and the trackers."""
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps(row) + "\n")
+            self.metrics_file.flush()
+        self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+
+    def evaluate(self) -> dict:
+        """The objective's evaluation over the eval split, summed over every process, with top-1 by token class."""
+        accelerator, head = self.accelerator, self.head
         head.eval()
         sums: dict[str, torch.Tensor] = {}
         model = accelerator.unwrap_model(head)
-        for batch in eval_loader:
+        for batch in self.eval_loader:
             with accelerator.autocast():
-                batch_sums = objective.eval_sums(model, target, batch)
+                batch_sums = self.objective.eval_sums(model, self.target, batch)
             if TOKEN_HITS in batch_sums:  # counted by class here, where the tokenizer is
                 batch_sums = dict(batch_sums)
-                batch_sums |= class_sums(batch_sums.pop(TOKEN_HITS), classes)
+                batch_sums |= class_sums(batch_sums.pop(TOKEN_HITS), self.classes)
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0) + v.to(accelerator.device)
         head.train()
         sums = {k: accelerator.reduce(v, reduction="sum").cpu() for k, v in sums.items()}
-        row, extra = objective.eval_row(sums)
-        last_eval_extra[:] = [extra]
+        row, extra = self.objective.eval_row(sums)
+        self._last_eval_extra[:] = [extra]
         return row | class_row(sums)
 
-    def save_checkpoint() -> None:
-        ckpt = out / "checkpoints" / f"step_{step}"
-        accelerator.save_state(str(ckpt))
-        if accelerator.is_main_process:  # written last: a checkpoint without it is incomplete and ignored
-            (ckpt / STATE_FILE).write_text(json.dumps({"step": step, "epoch": epoch, "batches_done": batches_done}))
+    def save_checkpoint(self) -> None:
+        progress = self.progress
+        ckpt = self.out / "checkpoints" / f"step_{progress.step}"
+        self.accelerator.save_state(str(ckpt))
+        if self.accelerator.is_main_process:  # written last: a checkpoint without it is incomplete and ignored
+            (ckpt / STATE_FILE).write_text(json.dumps({"step": progress.step, "epoch": progress.epoch,
+                                                       "batches_done": progress.batches_done}))
+        self.accelerator.wait_for_everyone()
+
+    # --- training ----------------------------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Optimizer steps up to `max_steps` (or `max_minutes`), logging every `log_every`, evaluating every
+        `eval_every` and saving every `save_every` steps, and all three at the last step."""
+        cfg, accelerator, progress = self.cfg, self.accelerator, self.progress
+        head, optimizer, scheduler = self.head, self.optimizer, self.scheduler
+        head.train()
+        bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train",
+                   disable=not accelerator.is_local_main_process)
+        tokens_seen, window_start = 0, time.perf_counter()
+        out_of_time = _time_limit(accelerator, cfg.max_minutes)
+        last = progress.step >= cfg.max_steps  # a run resumed at its end trains no more
+        while not last:
+            self.loader.set_epoch(progress.epoch)
+            batches = (accelerator.skip_first_batches(self.loader, progress.batches_done) if progress.batches_done
+                       else self.loader)
+            for batch in batches:
+                with accelerator.accumulate(head), accelerator.autocast():  # the target's features too
+                    loss, stats = self.objective.step_loss(head, self.target, batch, cfg.heads)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
+                    optimizer.step()
+                    if accelerator.sync_gradients:
+                        scheduler.step()
+                    optimizer.zero_grad()
+                progress.batches_done += 1
+                tokens_seen += int(batch["attention_mask"].sum())
+                if not accelerator.sync_gradients:
+                    continue
+                progress.step += 1
+                step = progress.step
+                bar.update(1)
+                last = step >= cfg.max_steps or out_of_time()
+                if step % cfg.log_every == 0 or last:
+                    # The step's loss and statistics over every process's share of the batch (each process's mean,
+                    # averaged), not the first process's alone; every process reaches this line at the same step.
+                    local = torch.tensor([float(loss.detach()), *stats.values()], device=accelerator.device)
+                    mean = accelerator.reduce(local, reduction="mean").tolist()
+                    row = {"step": step, **dict(zip(["loss", *stats], mean)), "lr": scheduler.get_last_lr()[0]}
+                    elapsed = time.perf_counter() - window_start
+                    self.emit({**row, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9),
+                               "epoch": progress.epoch})
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}")
+                    tokens_seen, window_start = 0, time.perf_counter()
+                if step % cfg.eval_every == 0 or last:
+                    self.emit({"step": step, **self.evaluate()})
+                if step % cfg.save_every == 0 or last:
+                    self.save_checkpoint()
+                if last:
+                    if step < cfg.max_steps:
+                        log.info("stopped at step %d of %d: max_minutes=%s reached", step, cfg.max_steps,
+                                 cfg.max_minutes)
+                    break
+            else:
+                progress.epoch += 1
+                progress.batches_done = 0
+        bar.close()
+
+    def finish(self) -> Path:
+        """Save the final heads (evaluated), measure their τ from the saved folder as a user loads it, close."""
+        cfg, accelerator, out, objective = self.cfg, self.accelerator, self.out, self.objective
+        step = self.progress.step
+        final = out / "final"
+        if not self._last_eval_extra:  # resumed at max_steps: the heads still need their measured accuracies
+            self.emit({"step": step, **self.evaluate()})
+        with whole_parameters(accelerator, self.head):  # under ZeRO-3 each process holds a part: gathered to save
+            if accelerator.is_main_process:
+                model = accelerator.unwrap_model(self.head)
+                objective.save(model, final, target=self.target, tokenizer=self.tokenizer, target_name=cfg.target,
+                               config=objective.final_config(model, self._last_eval_extra[0]),
+                               metadata={"eval": _last_eval(out)})
+                log.info("saved the %s recipe's drafter to %s", objective.name, final)
+        if accelerator.is_main_process and cfg.measure_prompts:  # from final/, as a user loads it
+            self.emit({"step": step, **measured_tau(cfg, objective, self.target, self.tokenizer, self.eval_ds,
+                                                    final)})
         accelerator.wait_for_everyone()
-
-    head.train()
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process)
-    tokens_seen, window_start = 0, time.perf_counter()
-    out_of_time = _time_limit(accelerator, cfg.max_minutes)
-    last = step >= cfg.max_steps  # a run resumed at its end trains no more
-    while not last:
-        loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, batches_done) if batches_done else loader
-        for batch in batches:
-            with accelerator.accumulate(head), accelerator.autocast():  # the target's features too
-                loss, stats = objective.step_loss(head, target, batch, cfg.heads)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad()
-            batches_done += 1
-            tokens_seen += int(batch["attention_mask"].sum())
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            bar.update(1)
-            last = step >= cfg.max_steps or out_of_time()
-            if step % cfg.log_every == 0 or last:
-                # The step's loss and statistics over every process's share of the batch (each process's mean,
-                # averaged), not the first process's alone; every process reaches this line at the same step.
-                local = torch.tensor([float(loss.detach()), *stats.values()], device=accelerator.device)
-                mean = accelerator.reduce(local, reduction="mean").tolist()
-                row = {"step": step, **dict(zip(["loss", *stats], mean)), "lr": scheduler.get_last_lr()[0]}
-                elapsed = time.perf_counter() - window_start
-                emit({**row, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9),
-                      "epoch": epoch})
-                bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}")
-                tokens_seen, window_start = 0, time.perf_counter()
-            if step % cfg.eval_every == 0 or last:
-                emit({"step": step, **evaluate()})
-            if step % cfg.save_every == 0 or last:
-                save_checkpoint()
-            if last:
-                if step < cfg.max_steps:
-                    log.info("stopped at step %d of %d: max_minutes=%s reached", step, cfg.max_steps, cfg.max_minutes)
-                break
-        else:
-            epoch += 1
-            batches_done = 0
-    bar.close()
-
-    final = out / "final"
-    if not last_eval_extra:  # resumed at max_steps: the heads still need their measured accuracies
-        emit({"step": step, **evaluate()})
-    with whole_parameters(accelerator, head):  # under ZeRO-3 each process holds a part: gathered to be saved
-        if accelerator.is_main_process:
-            model = accelerator.unwrap_model(head)
-            objective.save(model, final, target=target, tokenizer=tokenizer, target_name=cfg.target,
-                           config=objective.final_config(model, last_eval_extra[0]), metadata={"eval": _last_eval(out)})
-            log.info("saved the %s recipe's drafter to %s", objective.name, final)
-    if accelerator.is_main_process and cfg.measure_prompts:  # from final/, as a user loads it
-        emit({"step": step, **measured_tau(cfg, objective, target, tokenizer, eval_ds, final)})
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    if metrics_file is not None:
-        metrics_file.close()
-    return final
+        accelerator.end_training()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        return final
 
 
 def _time_limit(accelerator: Accelerator, max_minutes: float | None):
@@ -389,17 +459,15 @@ def held_out_prompts(eval_ds, n: int) -> list[list[int]]:
 def measured_tau(cfg: TrainConfig, objective: Objective, target, tokenizer, eval_ds,
                  heads_dir: Path) -> dict[str, float]:
     """τ of the saved drafter decoding held-out prompts, through the same loader and runner as `specheads bench`."""
-    method = METHODS.get(objective.kind)  # the kind's decoding method carries its name
-
     def load_draft(path: str):  # a standalone draft model (distill), in the target's dtype and place
         return load_target(path, device=str(target.device), dtype=target.dtype)[0]
 
-    proposer = method.builder()(target, method.heads_alone(str(heads_dir)), load_draft)
     prompts = held_out_prompts(eval_ds, cfg.measure_prompts)
     if not prompts:
         return {}
-    summary = measure(target, proposer, prompts, max_new_tokens=cfg.measure_max_new_tokens,
-                      stop_token_ids=stop_token_ids(tokenizer, target), name=objective.kind)
+    summary = measure_drafter(target, objective.kind, str(heads_dir), prompts,
+                              max_new_tokens=cfg.measure_max_new_tokens,
+                              stop_token_ids=stop_token_ids(tokenizer, target), load_draft=load_draft)
     return {"eval/measured_tau": summary.tau, "eval/measured_acceptance_rate": summary.acceptance_rate or 0.0,
             "eval/measured_prompts": len(prompts)}
 

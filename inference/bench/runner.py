@@ -20,6 +20,7 @@ import torch
 from transformers import CompileConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
+from specheads.draft_models import parallel_spec
 from specheads.gemm_layout import plain_linears
 from specheads.inference.bench.diagnosis import RejectionLog
 from specheads.inference.bench.method_spec import PLD_TOKENS, MethodSpec
@@ -29,8 +30,7 @@ from specheads.inference.engine.grammar import grammar_from_request
 from specheads.inference.engine.proposer import Proposer
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.stats import GenerationStats
-from specheads.inference.methods import DraftLoader, make_proposer
-from specheads.inference.proposers.parallel_draft import parallel_spec
+from specheads.inference.methods import METHODS, DraftLoader, make_proposer
 from specheads.questions import Question
 from specheads.target import render_chat
 
@@ -420,3 +420,15 @@ def measure(
     if not records:
         raise ValueError("measure needs at least one prompt")
     return summarize(records, greedy=False)[0]
+
+
+def measure_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequence[Sequence[int]], *,
+                    max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                    load_draft: DraftLoader | None = None) -> MethodSummary:
+    """Measured τ of the drafter of `kind` saved at `path` on `prompts`, with nothing grafted on and its whole trees
+    verified (`Method.heads_alone`: the heads' own τ, the same on every machine). Training's one entry into
+    inference: a recipe's measured-τ step calls this and nothing else of the engine."""
+    method = METHODS.get(kind)  # a drafter kind's decoding method carries its name
+    proposer = method.builder()(target, method.heads_alone(path), load_draft)
+    return measure(target, proposer, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                   name=kind)

@@ -43,8 +43,8 @@ def add_model_settings(p: argparse.ArgumentParser) -> None:
                         "as a tree verify run several times faster that way; packed for bf16 on a CPU with native "
                         "bf16, where each weight is packed once for oneDNN instead of at every product; row-major "
                         "elsewhere), row, column, packed, transposed (row-major weights, products written (W xᵀ)ᵀ: "
-                        "faster on CPUs whose BLAS is slow at few rows either way; scripts/bench_gemm.py compares). "
-                        "Only GEMM rounding changes")
+                        "faster on CPUs whose BLAS is slow at few rows either way; scripts/lab/bench_gemm.py "
+                        "compares). Only GEMM rounding changes")
     p.add_argument("--step", default="auto", choices=("auto", "lean", "hf"),
                    help="the target's forward in the engine: lean (fused q/k/v and gate/up products, fewer calls per "
                         "layer; Llama, Qwen2, Qwen3 and Mistral without sliding window), hf (the model's own forward), "
@@ -127,7 +127,7 @@ def load_model(args: argparse.Namespace):
 
 def draft_loader(model, tokenizer, args: argparse.Namespace):
     """Loads a draft model (`draft:PATH`, `hf-assisted:PATH`) beside the target, refusing another vocabulary."""
-    from specheads.inference.proposers.draft_model import check_same_vocabulary
+    from specheads.draft_models import check_same_vocabulary
     from specheads.target import load_target
 
     def load_draft(name: str):

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specheads.draft_models import EARLY_EXIT
 from specheads.inference.methods.method import Method, register_method
 from specheads.inference.methods.options import DRAFT_DTYPE_HELP, check_draft_dtype, option
-
-EARLY_EXIT = "early-exit:"  # `--draft early-exit:N`: the target's first N layers and its LM head draft
 
 
 @dataclass(frozen=True)

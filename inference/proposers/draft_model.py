@@ -7,42 +7,31 @@ replacement otherwise), then one token per branch per level, all branches in one
 forward with a tree mask. After verification its cache is committed to the
 accepted path, like the target's, so nothing is recomputed.
 
-`early_exit_model` builds the self-drafter `early-exit:N`: the target's first N
-layers with its final norm and LM head, sharing the target's weights.
+The self-drafter `early-exit:N` (the target's first N layers with its final norm and LM head, sharing the
+target's weights) and the vocabulary checks are models' matters, in `specheads.draft_models`.
 """
 
 from __future__ import annotations
 
-import copy
-import re
-
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
+from specheads.draft_models import (
+    EARLY_EXIT,
+    check_parallel_vocabulary,
+    check_vocab_size,
+    early_exit_model,
+    parallel_spec,
+    vocab_size,
+)
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
 from specheads.inference.engine.proposer import ProposalContext
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods import DraftLoader
-from specheads.inference.methods.draft import EARLY_EXIT, DraftConfig, DraftOptions
-from specheads.inference.proposers.parallel_draft import (
-    ParallelDraftProposer,
-    check_parallel_vocabulary,
-    parallel_spec,
-)
+from specheads.inference.methods.draft import DraftConfig, DraftOptions
+from specheads.inference.proposers.parallel_draft import ParallelDraftProposer
 from specheads.int8 import quantize_linears
-
-
-def vocab_size(model: PreTrainedModel) -> int:
-    return model.get_output_embeddings().weight.shape[0]
-
-
-def check_vocab_size(draft: PreTrainedModel, target_vocab_size: int) -> None:
-    if vocab_size(draft) != target_vocab_size:
-        raise ValueError(
-            f"the draft model's vocabulary has {vocab_size(draft)} tokens but the target's has {target_vocab_size}; "
-            "use a draft model from the target's family (same tokenizer)"
-        )
 
 
 class DraftModelProposer:
@@ -149,42 +138,6 @@ class DraftModelProposer:
         self._cache.commit(root_end, torch.tensor(keep, dtype=torch.long, device=self.device))
         self._n_cached = root_end + len(keep)
         self._fed = []
-
-
-_LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
-
-
-def early_exit_model(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
-    """The target's first `num_layers` decoder layers + its final norm and LM head, sharing its weights."""
-    text_config = target.config.get_text_config()
-    total = text_config.num_hidden_layers
-    if not 1 <= num_layers < total:
-        raise ValueError(f"early-exit:N needs 1 <= N < {total} (the target's layer count), got N={num_layers}")
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:num_layers]
-    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype,
-                                             attn_implementation=target.config._attn_implementation)
-    state = {k: v for k, v in target.state_dict().items()
-             if (m := _LAYER_KEY.search(k)) is None or int(m.group(2)) < num_layers}
-    missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
-    assert not unexpected and all("rotary" in k or k.endswith("lm_head.weight") for k in missing), (missing, unexpected)
-    return draft.to(next(target.parameters()).device).eval().requires_grad_(False)
-
-
-def check_same_vocabulary(target: PreTrainedModel, target_tokenizer, draft: PreTrainedModel, draft_tokenizer) -> None:
-    """A draft must map token ids to the same strings as the target, or its guesses mean nothing; a parallel
-    drafter's LM head has the target's rows plus its placeholder's."""
-    spec = parallel_spec(draft.config)
-    if spec is not None:  # a parallel drafter: one placeholder row past the target's vocabulary
-        check_parallel_vocabulary(draft, spec, vocab_size(target))
-    else:
-        check_vocab_size(draft, vocab_size(target))
-    if (target_tokenizer is not None and draft_tokenizer is not None
-            and target_tokenizer.get_vocab() != draft_tokenizer.get_vocab()):
-        raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens); "
-                         "use a draft model from the target's family")
 
 
 def build(target: PreTrainedModel, options: DraftOptions,

@@ -14,46 +14,14 @@ replacement and hands the verifier the distribution each came from, so verificat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from transformers import PreTrainedModel
 
+from specheads.draft_models import ParallelSpec
 from specheads.inference.engine.cache import TreeKVCache, cache_kwargs
 from specheads.inference.engine.proposer import ProposalContext
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
-
-CONFIG_KEY = "specheads_parallel"  # in the draft model's config.json
-
-
-@dataclass(frozen=True)
-class ParallelSpec:
-    k: int  # tokens one forward drafts
-    mask_token_id: int  # the placeholder's id: the target's vocabulary size (the drafter's extra last row)
-
-    def __post_init__(self) -> None:
-        if self.k < 1 or self.mask_token_id < 1:
-            raise ValueError(f"a parallel drafter needs k >= 1 and a mask token id, got {self}")
-
-
-def parallel_spec(config: Any) -> ParallelSpec | None:
-    """The parallel drafting settings a draft model's config carries, or None for an ordinary causal LM."""
-    raw = getattr(config, CONFIG_KEY, None)
-    return None if raw is None else ParallelSpec(k=int(raw["k"]), mask_token_id=int(raw["mask_token_id"]))
-
-
-def mark_parallel(config: Any, spec: ParallelSpec) -> None:
-    setattr(config, CONFIG_KEY, {"k": spec.k, "mask_token_id": spec.mask_token_id})
-
-
-def check_parallel_vocabulary(model: PreTrainedModel, spec: ParallelSpec, target_vocab_size: int) -> None:
-    rows = model.get_output_embeddings().weight.shape[0]
-    if spec.mask_token_id != target_vocab_size or rows != target_vocab_size + 1:
-        raise ValueError(f"this parallel drafter has {rows} LM head rows and mask token {spec.mask_token_id}, but the "
-                         f"target's vocabulary has {target_vocab_size} tokens (expected {target_vocab_size + 1} rows, "
-                         "mask token last); it was distilled for another target")
 
 
 class ParallelDraftProposer:

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from specheads.draft_models import early_exit_model
 from specheads.inference import Engine
 from specheads.inference.proposers import AutoregressiveProposer
-from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
+from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer
 from specheads.inference.proposers.ngram import NgramProposer
 from specheads.inference.proposers.suffix import SuffixProposer
 from specheads.questions import Question

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specheads.draft_models import early_exit_model
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.methods.options import LookaheadConfig, SuffixConfig
 from specheads.inference.proposers import AutoregressiveProposer
-from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
+from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer
 from specheads.inference.proposers.lookahead import LookaheadProposer
 from specheads.inference.proposers.ngram import NgramConfig, NgramProposer
 from specheads.inference.proposers.suffix import SuffixProposer

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specheads.draft_models import early_exit_model
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods.options import LookaheadConfig
 from specheads.inference.proposers import AutoregressiveProposer
-from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, early_exit_model
+from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer
 from specheads.inference.proposers.lookahead import LookaheadProposer
 from specheads.inference.proposers.ngram import NgramProposer
 from specheads.inference.proposers.suffix import SuffixProposer

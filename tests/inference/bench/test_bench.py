@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 import specheads.inference.bench.runner as bench
 import specheads.inference.engine.engine as engine_mod
 import specheads.target
+from specheads.draft_models import vocab_size
 from specheads.gemm_layout import PackedLinear, packing_available, set_linear_layout
 from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.heads.medusa import MedusaConfig, MedusaHeads
@@ -26,7 +27,7 @@ from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.stats import GenerationStats
 from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods import METHODS
-from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer, vocab_size
+from specheads.inference.proposers.draft_model import DraftConfig, DraftModelProposer
 from specheads.questions import Question
 from specheads.target import render_chat
 from specheads.token_classes import TOKEN_CLASSES

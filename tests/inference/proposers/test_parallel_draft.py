@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specheads.draft_models import ParallelSpec, early_exit_model, parallel_spec
 from specheads.inference import Engine
 from specheads.inference.methods import METHODS, make_proposer
 from specheads.inference.proposers import AutoregressiveProposer
-from specheads.inference.proposers.draft_model import early_exit_model
-from specheads.inference.proposers.parallel_draft import ParallelDraftProposer, ParallelSpec, parallel_spec
+from specheads.inference.proposers.parallel_draft import ParallelDraftProposer
 from specheads.train.distill import DistillSettings, build_drafter, distill_step_loss, with_placeholder
 from tests.conftest import TINY_VOCAB, repetitive_prompt, start_proposer, tiny_model
 from tests.drafters import (
