@@ -4,7 +4,7 @@ A verify forward multiplies a handful of rows (the tree's nodes) by every weight
 fp32, PyTorch's GEMM for `x @ W.T` with W stored row-major ([out, in], the nn.Linear default) is
 slow for 4-48 rows: it repacks W on every call. With W stored column-major (the same [out, in] tensor
 whose transpose is contiguous), the same product runs several times faster for those sizes and about as
-fast for one row (`scripts/bench_forward.py` measures it; figures in docs/results.md). Values, shapes,
+fast for one row (`scripts/lab/bench_forward.py` measures it; figures in docs/results.md). Values, shapes,
 parameter names and weight ties are unchanged; only strides differ, so checkpoints are unaffected and
 products differ only in GEMM rounding (~1e-5 relative). Speculative greedy output still equals `ar`'s in
 the same layout.
@@ -19,7 +19,7 @@ are one more copy of the linear weights in memory.
 
 Some CPUs' BLAS runs neither form fast for a few rows: there the "transposed" layout keeps W row-major and
 writes each product as (W xᵀ)ᵀ, a GEMM whose small dimension is the output's columns (`TransposedLinear`;
-`scripts/bench_gemm.py` compares the forms on a machine, docs/results.md has the figures). It is opt-in.
+`scripts/lab/bench_gemm.py` compares the forms on a machine, docs/results.md has the figures). It is opt-in.
 
 Layouts: "row" (as loaded), "column", "packed", "transposed", or "auto": column for fp32 on CPU, packed for bf16
 on a CPU with native bf16, row elsewhere (cuBLAS is fastest with the row-major weights it was tuned for).

@@ -65,7 +65,7 @@ def write_feature_cache(
     Examples of similar length run together, up to `batch_tokens` padded tokens per forward: one
     conversation per forward leaves much of a CPU's matrix throughput unused (and autocast casts
     every weight again for each forward): batched, caching takes about 0.74 of the time on a 2-core
-    CPU (scripts/bench_feature_cache.py).
+    CPU (scripts/lab/bench_feature_cache.py).
 
     `part` = (p, n): this process computes examples p, p + n, ... and writes a part index; with n > 1 the cache is
     complete once `join_feature_cache` has joined the n parts. `lockstep`: every part runs as many target forwards

@@ -3,7 +3,7 @@
 Heads score a reduced vocabulary, the most frequent tokens of their training data (see
 `specheads.heads.draft_vocab`). The rare words a request brings fall outside it and can never be
 drafted, and many of those already appear in the prompt or in earlier output (names, topic words,
-identifiers; `scripts/ablate_context_vocab.py` measures it, docs/results.md has the figures). The draft
+identifiers; `scripts/lab/ablate_context_vocab.py` measures it, docs/results.md has the figures). The draft
 LM head is the target's own frozen LM head restricted to some rows, so any other row scores a token just
 as well: this class adds the rows of the tokens seen in the request, a few dozen to a few hundred, to the
 rows the head was trained with.

@@ -193,7 +193,7 @@ def test_offline_features_train_like_online(tiny_run_inputs, tmp_path):
 
 
 def test_a_run_repeated_with_its_seed_writes_the_same_drafter(tiny_run_inputs, tmp_path):
-    """The main job's claim that a second run reproduces the first (scripts/compare_runs.py): the same settings and
+    """The main job's claim that a second run reproduces the first (scripts/lab/compare_runs.py): the same settings and
     seed give byte-identical drafter files and the same losses, with offline features and bf16 autocast as there;
     another seed gives other weights, so the comparison can tell."""
     settings = ("recipe=peagle", "heads.aux_layers=[1,2,3]", "heads.num_depths=3", "features=offline",

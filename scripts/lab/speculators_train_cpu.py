@@ -13,7 +13,7 @@ Its code runs unchanged but for two things set here from the outside, without ed
 
 Everything else (data loading and packing, the model, losses, optimizer, schedule, checkpoints) is speculators'.
 
-    .venv/bin/python scripts/speculators_train_cpu.py --speculator-type eagle3 --verifier-name-or-path DIR ...
+    .venv/bin/python scripts/lab/speculators_train_cpu.py --speculator-type eagle3 --verifier-name-or-path DIR ...
 
 The arguments are those of `python -m speculators.train` (its `--help` lists them).
 """

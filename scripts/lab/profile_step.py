@@ -1,6 +1,6 @@
 """Where a decode step's time goes: a one-token step and a tree verify, split by kind of work.
 
-    .venv/bin/python scripts/profile_step.py [--target default] [--dtype auto] [--nodes 1,16] [--context 256]
+    .venv/bin/python scripts/lab/profile_step.py [--target default] [--dtype auto] [--nodes 1,16] [--context 256]
         [--steps hf,lean] [--reps 20] [--json OUT.json]
 
 For each tree size (1 = a plain one-token step) and each of the engine's target forwards (`--steps`: the model's

@@ -1,4 +1,4 @@
-"""speculators' own trainer runs on a CPU through scripts/speculators_train_cpu.py: on hidden states written in its
+"""speculators' own trainer runs on a CPU through scripts/lab/speculators_train_cpu.py: on hidden states written in its
 offline layout here, it trains exactly the steps it is given (its own epoch loop would add one per epoch left), and
 the drafter it saves imports here and decodes exactly."""
 
@@ -20,7 +20,7 @@ from specheads.train.speculators_states import write_speculators_states
 from tests.conftest import repetitive_prompt
 from tests.drafters import proposer_for
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "speculators_train_cpu.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "lab" / "speculators_train_cpu.py"
 STEPS = 3
 
 

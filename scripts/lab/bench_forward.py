@@ -1,6 +1,6 @@
 """Cost of one target verify forward by tree size, over a 256-token cache, for each weight layout.
 
-    .venv/bin/python scripts/bench_forward.py [--target default] [--device cpu] [--dtype float32]
+    .venv/bin/python scripts/lab/bench_forward.py [--target default] [--device cpu] [--dtype float32]
         [--layouts row,column] [--nodes 1,2,4,8,16,32,64] [--reps 7]
     (bf16 on a CPU with native bf16: --dtype bfloat16 --layouts row,packed)
 

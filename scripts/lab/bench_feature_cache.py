@@ -1,7 +1,7 @@
 """Feature caching one conversation per forward against batches of similar length (`write_feature_cache`'s
 `batch_tokens`), on the default target and the main job's data.
 
-    .venv/bin/python scripts/bench_feature_cache.py [--conversations 96] [--rounds 3] [--batch-tokens 4096]
+    .venv/bin/python scripts/lab/bench_feature_cache.py [--conversations 96] [--rounds 3] [--batch-tokens 4096]
 
 Caches the same conversations (ShareGPT, the CPU recipe's max_length of 320 and aux layers 2, 15, 27) both ways,
 rounds interleaved so drift hits both alike, under the autocast the recipe uses (bf16 where the CPU has native

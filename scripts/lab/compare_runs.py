@@ -1,6 +1,6 @@
 """Does a second run of the main job (`scripts/run.sh`) reproduce the first? Compares two run folders.
 
-    .venv/bin/python scripts/compare_runs.py runs/main-A runs/main-B
+    .venv/bin/python scripts/lab/compare_runs.py runs/main-A runs/main-B
 
 What must be equal, byte for byte or token for token, on one machine (same CPU flags, threads and versions):
 - the trained drafter: every file of each `*/final` folder (weights, config, draft vocabulary);

@@ -3,10 +3,10 @@
 # conversations, cached features, steps and schedule, then measured in one interleaved `specheads bench` run
 # (τ, per-position acceptance, tok/s).
 #
-#   scripts/compare_losses.sh                       # cross_entropy, nla, lk; 300 steps on 600 conversations
-#   LOSSES="cross_entropy tv" STEPS=500 CONVERSATIONS=800 PER_CATEGORY=3 scripts/compare_losses.sh
+#   scripts/lab/compare_losses.sh                       # cross_entropy, nla, lk; 300 steps on 600 conversations
+#   LOSSES="cross_entropy tv" STEPS=500 CONVERSATIONS=800 PER_CATEGORY=3 scripts/lab/compare_losses.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 run="runs/losses-$(date +%Y%m%d-%H%M%S)"
 steps="${STEPS:-300}"
 losses="${LOSSES:-cross_entropy nla lk}"

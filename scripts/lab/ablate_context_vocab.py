@@ -1,6 +1,6 @@
 """τ of EAGLE heads with and without the context vocabulary, interleaved in one run, greedy.
 
-    .venv/bin/python scripts/ablate_context_vocab.py HEADS_DIR [HEADS_DIR ...] [--tree cpu] [--per-category 3]
+    .venv/bin/python scripts/lab/ablate_context_vocab.py HEADS_DIR [HEADS_DIR ...] [--tree cpu] [--per-category 3]
 
 Also reports how many of `ar`'s output tokens lie outside each head's draft vocabulary, and how many of
 those the prompt or earlier output already held (what the context vocabulary can make draftable).

@@ -12,13 +12,13 @@ user of each would run it. The phases:
 3. ours: `python -m specheads.train` on the imported caches -> OUT/ours/final (each `--ours-variant` with its
    settings changed -> OUT/ours-NAME/final);
 4. our draft vocabulary as speculators' d2t/t2d -> OUT/vocab;
-5. the peer: `scripts/speculators_train_cpu.py` (speculators' trainer, two settings made from the outside so it
+5. the peer: `scripts/lab/speculators_train_cpu.py` (speculators' trainer, two settings made from the outside so it
    runs on a CPU; named in that script) on the same files, its train/validation boundary at our split's, its
    batches packed to the tokens of our batch of conversations -> OUT/peer/<epoch>;
 6. one interleaved `specheads bench` run of `ar` and both drafters, each drafting alone (`+lookup=0`) and verifying
    its whole tree (`+node_budget=fixed`: the default budget cuts a tree to what pays on the machine, so τ would
    measure the machine as much as the drafter) -> OUT/bench;
-7. `scripts/per_question.py` on that bench: each drafter's τ summed, and question by question against the peer's
+7. `scripts/lab/per_question.py` on that bench: each drafter's τ summed, and question by question against the peer's
    (the mean of its seeds').
 
 With `--seeds 0,1,2` phases 3 and 5 run once per seed, every seed on the same rows (`data.split_seed`); the config's
@@ -27,12 +27,12 @@ own seed keeps the plain folder names (OUT/ours, OUT/peer), the others add `-sN`
 Each phase is skipped when its output is there, so an interrupted run resumes. OUT/summary.json holds the
 settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the table.
 
-    .venv/bin/python scripts/compare_trainers.py                        # 200 steps on 600 conversations
-    .venv/bin/python scripts/compare_trainers.py --steps 400 --conversations 1000 --out runs/trainers-long
-    .venv/bin/python scripts/compare_trainers.py --peer-arg=--lr --peer-arg=0.002   # the peer at our learning rate
-    .venv/bin/python scripts/compare_trainers.py --ours-variant equal-steps:heads.ttt_decay=1.0
+    .venv/bin/python scripts/lab/compare_trainers.py                        # 200 steps on 600 conversations
+    .venv/bin/python scripts/lab/compare_trainers.py --steps 400 --conversations 1000 --out runs/trainers-long
+    .venv/bin/python scripts/lab/compare_trainers.py --peer-arg=--lr --peer-arg=0.002   # the peer at our learning rate
+    .venv/bin/python scripts/lab/compare_trainers.py --ours-variant equal-steps:heads.ttt_decay=1.0
                                                         # also ours with one setting changed, benched beside both
-    .venv/bin/python scripts/compare_trainers.py --seeds 0,1,2  # three of each: the seed spread beside the gap
+    .venv/bin/python scripts/lab/compare_trainers.py --seeds 0,1,2  # three of each: the seed spread beside the gap
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "eagle3-smollm2-cpu.yaml"
+LAB = ROOT / "scripts" / "lab"  # the peer's trainer and the per-question table are experiments beside this one
 PYTHON = sys.executable
 
 
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         summary["tokens_per_step"][f"{peer.name}_total_seq_len"] = total_seq_len
         if peer_checkpoint(peer) is None:
             summary[f"{peer.name}_wall_s"] = run(
-                [PYTHON, str(ROOT / "scripts" / "speculators_train_cpu.py"), "--speculator-type", "eagle3",
+                [PYTHON, str(LAB / "speculators_train_cpu.py"), "--speculator-type", "eagle3",
                  "--verifier-name-or-path", resolve_target(cfg.target), "--data-path", str(data),
                  "--save-path", str(peer), "--log-dir", str(out / f"{peer.name}-logs"),
                  "--num-layers", str(cfg.heads.num_layers), "--draft-arch", "llama",
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     log(f"done: {out / 'bench' / 'summary.md'}, {summary_path}")
     print((out / "bench" / "summary.md").read_text())
     against = [arg for path in peers for arg in ("--against", f"{path}+")]  # each peer's whole path: one method
-    subprocess.run([PYTHON, str(ROOT / "scripts" / "per_question.py"), str(out / "bench"), *against], check=True)
+    subprocess.run([PYTHON, str(LAB / "per_question.py"), str(out / "bench"), *against], check=True)
 
 
 if __name__ == "__main__":

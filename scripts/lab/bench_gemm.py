@@ -1,6 +1,6 @@
 """Few-row products of the default target's weight shapes, by how the product is written, with cold weights.
 
-    .venv/bin/python scripts/bench_gemm.py [--target default] [--rows 1,4,16] [--reps 5]
+    .venv/bin/python scripts/lab/bench_gemm.py [--target default] [--rows 1,4,16] [--reps 5]
 
 A verify forward multiplies a few rows (the tree's nodes) by every weight matrix, each read once from memory. For
 each matrix shape of the target (attention, MLP, LM head) this cycles through enough distinct fp32 copies that
@@ -12,7 +12,7 @@ none stays in the last-level cache, as a model's layers do, and times `y = x Wáµ
 - `mkldnn`: oneDNN's linear on the row-major W.
 
 It prints the weights' effective read rate (bytes of W per second; higher is better): what a step's products can
-approach is the machine's read bandwidth (`scripts/profile_step.py` probes it). The four give the same product up
+approach is the machine's read bandwidth (`scripts/lab/profile_step.py` probes it). The four give the same product up
 to GEMM rounding.
 """
 

@@ -1,8 +1,8 @@
 """Cost of the distillation loss, forward and backward, fused (`token_divergence`) against the formulas under
 autograd (`token_divergences`, the evaluation path); with `--heads`, the heads recipes' loss instead.
 
-    .venv/bin/python scripts/bench_divergence.py [--rows 880] [--vocab 49152] [--reps 5]
-    .venv/bin/python scripts/bench_divergence.py --heads [--rows 2400] [--vocab 8192] [--reps 12]
+    .venv/bin/python scripts/lab/bench_divergence.py [--rows 880] [--vocab 49152] [--reps 5]
+    .venv/bin/python scripts/lab/bench_divergence.py --heads [--rows 2400] [--vocab 8192] [--reps 12]
 
 Prints the median seconds of loss + backward for each divergence and both ways, timed interleaved so drift hits
 both alike, and their ratio. The defaults are one step of the CPU distill recipe: 4 conversations of 320 tokens

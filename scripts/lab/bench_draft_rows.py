@@ -4,7 +4,7 @@ For each batch size B, B prompts decode together in one engine with the given me
 first draft, `--steps` engine steps are timed, with drafting batched or row by row in alternating rounds (the trees
 are the same either way; only the time differs). Prints the median step and drafting times per B and mode.
 
-    python scripts/bench_draft_rows.py --method eagle --heads runs/eagle/final --questions mt_bench.jsonl
+    python scripts/lab/bench_draft_rows.py --method eagle --heads runs/eagle/final --questions mt_bench.jsonl
 """
 
 from __future__ import annotations

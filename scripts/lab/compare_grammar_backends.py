@@ -8,7 +8,7 @@ rounds of each part, in microseconds per token for the walk and the rollback. Ne
 library: this script is how the structured-output backend was chosen (docs/results.md).
 
     .venv/bin/pip install xgrammar     # the set-up installs llguidance only
-    .venv/bin/python scripts/compare_grammar_backends.py --reps 20
+    .venv/bin/python scripts/lab/compare_grammar_backends.py --reps 20
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A valid answer per question, written for its schema.
 ANSWERS = {

@@ -1,4 +1,4 @@
-"""scripts/compare_trainers.py: the variants of our recipe it trains beside the peer's."""
+"""scripts/lab/compare_trainers.py: the variants of our recipe it trains beside the peer's."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tests.scripts import load_script
+from tests.scripts.lab import load_script
 
 
 def test_a_variant_is_a_name_and_its_overrides():

@@ -1,4 +1,4 @@
-"""scripts/per_question.py: τ summed and per question against a reference, from a bench's results.jsonl."""
+"""scripts/lab/per_question.py: τ summed and per question against a reference, from a bench's results.jsonl."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.scripts import load_script
+from tests.scripts.lab import load_script
 
 
 def _write(folder, answers):

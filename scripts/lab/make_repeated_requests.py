@@ -1,7 +1,7 @@
 """Write a repeated-requests workload: the first N questions of a Spec-Bench JSONL file, then each of them again with
 a small edit, as agents and retrying clients send them (a question reworded at its start, a request appended).
 
-    .venv/bin/python scripts/make_repeated_requests.py mt_bench.jsonl --first 6 \
+    .venv/bin/python scripts/lab/make_repeated_requests.py mt_bench.jsonl --first 6 \
         --output runs/repeated.jsonl
     specheads bench --methods ar,ngram,suffix,lookahead --questions runs/repeated.jsonl --max-new-tokens 96
 

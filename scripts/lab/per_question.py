@@ -12,8 +12,8 @@ questions join: a method found in several folders counts from the first) and pri
   runs of one trainer (seeds) can stand together as one;
 - the outputs equal to `ar`'s, as the bench marked them.
 
-    .venv/bin/python scripts/per_question.py runs/trainers-20261204/bench-seeds --against peer/2 --against peer-s1/2
-    .venv/bin/python scripts/per_question.py runs/x/bench runs/x/bench-more --against peer   # two runs joined
+    .venv/bin/python scripts/lab/per_question.py runs/trainers-20261204/bench-seeds --against peer/2 --against peer-s1/2
+    .venv/bin/python scripts/lab/per_question.py runs/x/bench runs/x/bench-more --against peer   # two runs joined
 
 A method is named by what follows its `kind:` and precedes its `+options`, or by its whole name where that is
 ambiguous; `--against` takes any part of a name that picks out one method.

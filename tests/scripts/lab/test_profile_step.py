@@ -1,4 +1,4 @@
-"""scripts/profile_step.py: the buckets of a step, and the bytes it counts as weight reads."""
+"""scripts/lab/profile_step.py: the buckets of a step, and the bytes it counts as weight reads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from specheads.inference.engine.forward import prefill_forward
 from specheads.inference.engine.lean_forward import lean_forward
 from specheads.inference.engine.tree import DraftTree
 from tests.conftest import tiny_model
-from tests.scripts import load_script
+from tests.scripts.lab import load_script
 
 
 def _script():
