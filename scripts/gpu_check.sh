@@ -112,7 +112,10 @@ EOF
     done
     # Each command carries this checkout with one part: the part gets what the checkout leaves of CARRY_MIB.
     local tree_bytes part_mib
-    tree_bytes="$(cd "$here" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)"
+    # tracked and untracked files as they are now: a tracked file deleted in the working tree travels no more
+    tree_bytes="$(cd "$here" && git ls-files -co --exclude-standard -z |
+        while IFS= read -r -d '' f; do [[ -e "$f" ]] && printf '%s\0' "$f"; done |
+        du -cb --files0-from=- | tail -1 | cut -f1)"
     part_mib="${PART_MIB:-$(( (CARRY_MIB - 1) - tree_bytes / 1048576 - 1 ))}"
     ((part_mib >= 1)) || die "this checkout alone is $((tree_bytes / 1048576)) MiB: nothing is left of $CARRY_MIB MiB"
     rm -rf "$work"
