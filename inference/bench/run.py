@@ -1,8 +1,8 @@
-"""One `specheads bench` run end to end, around `bench.run_bench`: the output checks made before any model loads,
+"""One `specheads bench` run end to end, around `runner.run_bench`: the output checks made before any model loads,
 the answers streamed to results.jsonl as they finish (Ctrl-C keeps what finished), then the exactness marks with
 their fp32 margins, the report files, the rejection diagnosis and the W&B run.
 
-The caller loads the target and builds the runners (`bench.build_runners`) in between, and prints what `finish`
+The caller loads the target and builds the runners (`runner.build_runners`) in between, and prints what `finish`
 returns; nothing here parses arguments or prints.
 """
 
