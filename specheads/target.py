@@ -13,14 +13,11 @@ import importlib.util
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -29,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specheads.cached import cached_folder
 from specheads.fp32_head import fp32_head as with_fp32_head
 from specheads.gemm_layout import resolve_layout, set_linear_layout
 from specheads.hf import causal_lm_class
@@ -122,38 +120,13 @@ def resolve_target(name: str) -> str:
 
 
 def _ensure_default_converted() -> Path:
-    """Return the converted default target folder, converting it once if needed.
-
-    1. Fast path: the folder exists. It only ever appears through an atomic rename, so
-       existing means complete.
-    2. Otherwise take a file lock so concurrent processes (e.g. several ranks of a launch)
-       convert once; re-check after acquiring it.
-    3. Convert into a temp folder next to the destination, then rename it into place.
-    """
+    """Return the converted default target folder, converting it once if needed (`specheads.cached`: one process
+    converts, the others wait for it and reuse the result)."""
     dest = specheads_home() / "targets" / _CONVERTED_NAME
     if (dest / "config.json").is_file():
         return dest
     gguf = default_gguf_path()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest.parent / f"{_CONVERTED_NAME}.lock")):
-        if (dest / "config.json").is_file():
-            return dest
-        # Holding the lock, any temp folder left here belongs to a run that crashed.
-        for stale in dest.parent.glob(f".{_CONVERTED_NAME}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{_CONVERTED_NAME}.tmp-", dir=dest.parent))
-        # mkdtemp makes the folder owner-only; a shared cache must stay readable by others.
-        tmp.chmod(0o755)
-        try:
-            _convert_gguf(gguf, tmp)
-            if dest.exists():
-                # A folder without config.json is debris, not a finished conversion.
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return dest
+    return cached_folder(dest, lambda tmp: _convert_gguf(gguf, tmp), marker="config.json")
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:

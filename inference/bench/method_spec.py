@@ -8,8 +8,9 @@ to run with or without `--compile` whatever the run's flag, so the two compare i
 `+structured=1` to decode each question under its `response_format`, a grammar: structured outputs) or a
 transformers baseline: `hf` (`generate`),
 `hf-static` (`generate` with a static KV cache and its decode step compiled by `torch.compile`), `hf-assisted:PATH`
-(assisted generation with a draft model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens). Each engine
-method's options are built, and so checked, while parsing: a bad spec fails before any model loads.
+(assisted generation with a draft model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens); or llama.cpp:
+`llamacpp` and `llamacpp+KIND:DIR` (`specheads.inference.bench.llamacpp_spec`). Each engine method's options are built,
+and so checked, while parsing: a bad spec fails before any model loads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from specheads.inference.bench.llamacpp_spec import METHOD as LLAMACPP
+from specheads.inference.bench.llamacpp_spec import is_llamacpp, parse_llamacpp
 from specheads.inference.methods import METHODS
 
 BASELINES = ("hf", "hf-assisted", "hf-pld", "hf-static")
@@ -29,7 +32,7 @@ PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs
 
 
 def valid_methods() -> list[str]:
-    return [*METHODS.names(), *BASELINES]
+    return [*METHODS.names(), *BASELINES, LLAMACPP]
 
 
 @dataclass(frozen=True)
@@ -52,14 +55,18 @@ def parse_methods(spec: str) -> list[MethodSpec]:
     for name in (s.strip() for s in spec.split(",")):
         if not name:
             continue
+        if any(s.name == name for s in out):
+            raise ValueError(f"method {name!r} is listed twice in --methods")
+        if is_llamacpp(name):
+            opts = parse_llamacpp(name)
+            out.append(MethodSpec(name=name, method=LLAMACPP, arg=opts.heads, options=opts))
+            continue
         method, _, arg = name.partition(":")
         if "+" in method:  # `ngram+width=2`: option suffixes on a method that takes no argument
             method, plus, suffixes = method.partition("+")
             arg = plus + suffixes + (":" + arg if arg else "")
         if method not in METHODS and method not in BASELINES:
             raise ValueError(f"unknown method {method!r} in --methods; valid: {', '.join(valid_methods())}")
-        if any(s.name == name for s in out):
-            raise ValueError(f"method {name!r} is listed twice in --methods")
         out.append(_baseline_spec(name, method, arg) if method in BASELINES else _engine_spec(name, method, arg))
     if not out:
         raise ValueError("--methods is empty; e.g. --methods ar,hf,ngram")

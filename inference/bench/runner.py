@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 from specheads.draft_models import parallel_spec
 from specheads.gemm_layout import plain_linears
 from specheads.inference.bench.diagnosis import RejectionLog
-from specheads.inference.bench.method_spec import PLD_TOKENS, MethodSpec
+from specheads.inference.bench.method_spec import LLAMACPP, PLD_TOKENS, MethodSpec
 from specheads.inference.engine.constraint import GrammarConstraint
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.grammar import grammar_from_request
@@ -180,35 +180,56 @@ class _HFStaticGenerate(_HFGenerate):
 
 def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader,
                   diagnose: bool = False, step: str = "auto", compile: bool = False,
-                  tokenizer: Any = None) -> dict[str, Runner]:
+                  tokenizer: Any = None, target_name: str | None = None) -> dict[str, Runner]:
     """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
     `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`).
     Every engine method runs the target forward `step` and `compile` set (`Engine`'s arguments); a method's own
     `+compile=` suffix overrides `compile`. A `+structured=1` method decodes under each question's response_format,
-    through `tokenizer` (which it needs)."""
+    through `tokenizer` (which it needs). A llama.cpp method starts its server here, on `target_name`'s GGUF (the
+    name the target was loaded by: `default` for the default target); `close_runners` stops it."""
     runners: dict[str, Runner] = {}
-    for spec in specs:
-        if spec.method == "hf":
-            runners[spec.name] = _HFGenerate(target)
-        elif spec.method == "hf-static":
-            runners[spec.name] = _HFStaticGenerate(target)
-        elif spec.method == "hf-assisted":
-            assistant = load_draft(spec.arg)
-            if parallel_spec(assistant.config) is not None:
-                raise ValueError(f"hf-assisted:{spec.arg} is a parallel drafter (a placeholder token past the target's "
-                                 f"vocabulary, K tokens per forward), which transformers' assisted generation cannot "
-                                 f"drive; bench it as draft:{spec.arg}")
-            runners[spec.name] = _HFGenerate(target, assistant=assistant)
-        elif spec.method == "hf-pld":
-            runners[spec.name] = _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
-        else:
-            log = RejectionLog() if diagnose else None
-            engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log,
-                            step=step, compile=compile if spec.compile is None else spec.compile)
-            if spec.structured and tokenizer is None:
-                raise ValueError(f"{spec.name}: +structured=1 needs the target's tokenizer (build_runners tokenizer=)")
-            runners[spec.name] = _EngineRunner(engine, log, tokenizer if spec.structured else None)
+    try:
+        for spec in specs:
+            runners[spec.name] = _build_runner(target, spec, load_draft, diagnose, step, compile, tokenizer,
+                                               target_name)
+    except BaseException:
+        close_runners(runners)
+        raise
     return runners
+
+
+def close_runners(runners: dict[str, Runner]) -> None:
+    """Stop what runners hold outside this process (llama.cpp's servers)."""
+    for runner in runners.values():
+        if hasattr(runner, "close"):
+            runner.close()
+
+
+def _build_runner(target: PreTrainedModel, spec: MethodSpec, load_draft: DraftLoader, diagnose: bool, step: str,
+                  compile: bool, tokenizer: Any, target_name: str | None) -> Runner:
+    if spec.method == LLAMACPP:
+        from specheads.inference.bench.llamacpp import LlamaCppRunner
+
+        return LlamaCppRunner(spec.options, target_name or target.config.name_or_path, target.dtype)
+    if spec.method == "hf":
+        return _HFGenerate(target)
+    if spec.method == "hf-static":
+        return _HFStaticGenerate(target)
+    if spec.method == "hf-assisted":
+        assistant = load_draft(spec.arg)
+        if parallel_spec(assistant.config) is not None:
+            raise ValueError(f"hf-assisted:{spec.arg} is a parallel drafter (a placeholder token past the target's "
+                             f"vocabulary, K tokens per forward), which transformers' assisted generation cannot "
+                             f"drive; bench it as draft:{spec.arg}")
+        return _HFGenerate(target, assistant=assistant)
+    if spec.method == "hf-pld":
+        return _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
+    log = RejectionLog() if diagnose else None
+    engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log,
+                    step=step, compile=compile if spec.compile is None else spec.compile)
+    if spec.structured and tokenizer is None:
+        raise ValueError(f"{spec.name}: +structured=1 needs the target's tokenizer (build_runners tokenizer=)")
+    return _EngineRunner(engine, log, tokenizer if spec.structured else None)
 
 
 @dataclass

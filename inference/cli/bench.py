@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from specheads.inference.bench import run as bench_run
     from specheads.inference.bench.method_spec import parse_methods
-    from specheads.inference.bench.runner import build_runners
+    from specheads.inference.bench.runner import build_runners, close_runners
     from specheads.inference.engine.sampling import SamplingParams
     from specheads.questions import check_distinct_ids, load_questions
     from specheads.target import load_target, parse_device, stop_token_ids
@@ -81,12 +81,15 @@ def run(args: argparse.Namespace) -> None:
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = shared.load_model(args)
     runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose,
-                            step=args.step, compile=args.compile, tokenizer=tokenizer)
+                            step=args.step, compile=args.compile, tokenizer=tokenizer, target_name=args.target)
 
     # 3. Run, then report; in greedy runs every divergence from ar gets the fp32 margin at which it happened.
-    records, interrupted = bench_run.collect(
-        runners, tokenizer, questions, output=args.output, max_new_tokens=args.max_new_tokens, sampling=sampling,
-        stop_token_ids=stop_token_ids(tokenizer, model), turns=args.turns, warmup=args.warmup)
+    try:
+        records, interrupted = bench_run.collect(
+            runners, tokenizer, questions, output=args.output, max_new_tokens=args.max_new_tokens, sampling=sampling,
+            stop_token_ids=stop_token_ids(tokenizer, model), turns=args.turns, warmup=args.warmup)
+    finally:
+        close_runners(runners)  # llama.cpp's servers
     if interrupted:
         print(f"interrupted: reporting the {len(records)} generations that finished", file=sys.stderr)
     done = bench_run.finish(

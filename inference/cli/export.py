@@ -7,7 +7,7 @@ import argparse
 from specheads.inference.cli import args as shared
 
 NAME = "export"
-HELP = "write trained heads in a format vLLM, SGLang or the Hub reads"
+HELP = "write trained heads in a format vLLM, SGLang, llama.cpp or the Hub reads"
 DESCRIPTION = ("Write a training run's heads (or a heads folder) in another engine's format into a new folder, "
                "checked against what that engine's loader reads; optionally push it to the Hugging Face Hub.")
 
@@ -15,7 +15,8 @@ DESCRIPTION = ("Write a training run's heads (or a heads folder) in another engi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from specheads.formats.engines import FORMATS
 
-    p.add_argument("source", metavar="RUN_OR_HEADS_DIR", help="a training run's output_dir or a heads folder")
+    p.add_argument("source", metavar="RUN_OR_HEADS_DIR", help="a training run's output_dir or a heads folder; with "
+                   "--to gguf also a target (a model folder, or 'default'), written as the GGUF llama.cpp loads")
     p.add_argument("--to", dest="fmt", required=True, choices=list(FORMATS),
                    help="; ".join(f"{fmt}: {what}" for fmt, what in FORMATS.items()) + " (which drafter kinds each "
                         "format takes: docs/cli.md; a kind a format cannot express is refused, naming those it can)")
@@ -26,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       "target; the default target's Hub id)")
     p.add_argument("--speculative-tokens", type=int, help="draft depth recorded where a format keeps one (default: "
                    "3 for a chain drafter; a block drafter's own block, and at most that)")
+    p.add_argument("--outtype", choices=["f32", "bf16", "q8_0", "q4_1"],
+                   help="--to gguf: the tensors' precision (default f32; q4_1: the default target's shipped file)")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", help="also publish the export as this Hub model repo")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
     if args.private and not args.push_to_hub:
         raise ValueError("--private applies to --push-to-hub ORG/NAME only")
     done = export(args.source, args.fmt, args.output, target=args.target, verifier=args.verifier,
-                  speculative_tokens=args.speculative_tokens)
+                  speculative_tokens=args.speculative_tokens, precision=args.outtype)
     print(f"wrote {args.fmt} export to {done.folder}: {', '.join(done.files)} (verifier {done.verifier})")
     if args.push_to_hub:
         url = push_folder(done.folder, args.push_to_hub, private=args.private)

@@ -42,6 +42,7 @@ class ExportContext:
     # The target's own model classes, from its top-level config: an image-text target's (Gemma 3's
     # Gemma3ForConditionalGeneration), which its text config does not name. The engines load the verifier as these.
     verifier_architectures: tuple[str, ...] = ()
+    precision: str | None = None  # the GGUF export's tensor type (f32, bf16, q8_0); None: the format's default
 
     def target_lm_head(self) -> torch.Tensor:  # [V, H]: the target's output embedding, read from its files
         return _target_weights(self._need_path())[1]

@@ -1,4 +1,5 @@
-"""EAGLE-3 heads in other engines' formats: speculators (what vLLM serves) and SGLang/SpecForge.
+"""EAGLE-3 heads in other engines' formats: speculators (what vLLM serves), SGLang/SpecForge, and llama.cpp's GGUF
+(`specheads.formats.gguf`).
 
 Our `eagle3` tensors already carry speculators' names (`specheads.heads.eagle3`), so the speculators export
 (`specheads.formats.speculators`, the layout P-EAGLE's extends) only adds the vocabulary mappings and the config;
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from specheads.config import build
+from specheads.formats import gguf
 from specheads.formats.base import (
     ExportContext,
     Exporter,
@@ -133,3 +135,12 @@ register_importer(Importer("speculators eagle3", 'config.json "speculators_model
                            _speculators_detect, read_speculators))
 register_importer(Importer(f"SGLang {SGLANG_ARCHITECTURE}", f'config.json "architectures": ["{SGLANG_ARCHITECTURE}"]',
                            _sglang_detect, read_sglang))
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------------
+
+def write_gguf(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
+    return gguf.write_chain_gguf(_config(ckpt), ckpt.state, folder, ctx, kind=KIND_NAME, target=ckpt.target)
+
+
+register_exporter(gguf.exporter(KIND_NAME, write_gguf))

@@ -14,4 +14,6 @@ FORMATS: dict[str, str] = {
     "speculators": "vLLM and the speculators library (speculators_model_type in config.json)",
     "sglang": "SGLang and SpecForge (`--speculative-draft-model-path`)",
     "vllm-medusa": "vLLM's Medusa model (MedusaModel)",
+    "gguf": "llama.cpp (`llama-server -md FILE --spec-type draft-eagle3`), through llama.cpp's own converter; a "
+            "target folder exports as its GGUF",
 }

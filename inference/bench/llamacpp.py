@@ -1,0 +1,83 @@
+"""llama.cpp in the bench, on the same weights, interleaved with our methods and timed the same way (its method
+names: `specheads.inference.bench.llamacpp_spec`).
+
+Each method runs its own `llama-server` (`specheads.llamacpp.server`), started when the runners are built and
+stopped when the run ends, with as many threads as torch uses. A request's wall time is the whole HTTP request,
+as our runners time a whole `generate`; its tokens are llama.cpp's own ids (the prompt goes in as our ids, the
+answer comes back as ids, nothing re-tokenized). τ is from llama.cpp's draft statistics: every target forward
+commits one token more than it accepts, so steps = tokens - accepted (the prefill's token included, as ours).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specheads.inference.bench.llamacpp_spec import LlamaCppOptions
+from specheads.inference.engine.sampling import SamplingParams
+from specheads.inference.engine.stats import GenerationStats
+
+
+def run_precision(options: LlamaCppOptions, dtype: torch.dtype) -> str:
+    """The target GGUF's precision: the method's own, else the run's (bf16 for a bf16 run, f32 otherwise)."""
+    return options.precision or ("bf16" if dtype == torch.bfloat16 else "f32")
+
+
+# The KV cache in the weights' precision, as our engine keeps it: llama.cpp's default f16 cache would round an F32
+# or BF16 run's attention differently from ours. Quantized weights keep llama.cpp's default.
+CACHE_TYPES = {"f32": "f32", "bf16": "bf16"}
+
+
+class LlamaCppRunner:
+    """One `llama-server` behind the bench's runner interface; `close()` stops it."""
+
+    measures_tau = True
+
+    def __init__(self, options: LlamaCppOptions, target: str, dtype: torch.dtype, threads: int | None = None) -> None:
+        from specheads.llamacpp.server import LlamaServer
+        from specheads.llamacpp.target_gguf import target_gguf
+
+        self.options = options
+        self.precision = run_precision(options, dtype)
+        model = target_gguf(target, self.precision)
+        self._scratch = tempfile.TemporaryDirectory(prefix="specheads-llamacpp-")
+        draft = None if options.heads is None else self._draft_gguf(options, target)
+        self.server = LlamaServer(model, draft=draft, spec_type=None if draft is None else "draft-eagle3",
+                                  draft_max=options.draft_max, threads=threads or torch.get_num_threads(),
+                                  cache_type=CACHE_TYPES.get(self.precision))
+        try:
+            self.server.__enter__()
+        except BaseException:
+            self._scratch.cleanup()
+            raise
+
+    def _draft_gguf(self, options: LlamaCppOptions, target: str) -> Path:
+        """The drafter as GGUF: a .gguf file as is, heads exported (f32, or bf16 beside a bf16 target)."""
+        from specheads.formats.export import export
+
+        path = Path(str(options.heads))
+        if path.suffix == ".gguf":
+            return path
+        precision = "bf16" if self.precision == "bf16" else "f32"
+        done = export(path, "gguf", Path(self._scratch.name) / "draft", target=target, precision=precision)
+        return done.folder / next(f for f in done.files if f.endswith(".gguf"))
+
+    def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:
+        """llama.cpp stops at its vocabulary's end-of-generation tokens; the bench's stop tokens are the target's
+        own, the same ones for the targets here (a GGUF's EOG set comes from the same tokenizer files)."""
+        done = self.server.complete(prompt, max_new_tokens=max_new_tokens,
+                                    temperature=0.0 if sampling.greedy else sampling.temperature,
+                                    top_k=sampling.top_k or 0, top_p=sampling.top_p, seed=sampling.seed)
+        tokens = done.tokens
+        stats = GenerationStats(  # draft_steps and accepted_at_least stay 0 and empty: llama.cpp reports neither
+new_tokens=len(tokens), steps=done.steps, drafted=done.drafted,
+                                accepted=done.accepted, wall_s=done.wall_s,
+                                finish_reason="stop" if tokens and tokens[-1] in stop_token_ids else "length")
+        return tokens, stats
+
+    def close(self) -> None:
+        self.server.close()
+        self._scratch.cleanup()

@@ -1,0 +1,74 @@
+"""How `specheads bench --methods` names a llama.cpp method, parsed and checked without torch (the runner is
+`specheads.inference.bench.llamacpp`):
+
+    llamacpp                       the target's GGUF at the run's precision (f32 for --dtype float32, bf16 for bf16)
+    llamacpp@q4_1                  another precision: f32, bf16, q8_0, or q4_1 (the default target's shipped file)
+    llamacpp+eagle3:DIR            with EAGLE-3 heads (a run, a heads folder, or a .gguf written by export --to gguf)
+    llamacpp+peagle:DIR@q4_1       P-EAGLE heads as llama.cpp's EAGLE-3 draft, against the Q4_1 target
+    llamacpp+eagle3:DIR+draft_max=5   llama.cpp's --spec-draft-n-max (default 3)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+METHOD = "llamacpp"
+PRECISIONS = ("f32", "bf16", "q8_0", "q4_1")
+DEFAULT_DRAFT_MAX = 3  # llama.cpp's own default --spec-draft-n-max
+_DRAFT_MAX = re.compile(r"\+draft_max=(\d+)$")
+_PRECISION = re.compile(r"@([a-z0-9_]+)$")
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    kind: str | None = None  # the drafter's kind; None: plain decoding
+    heads: str | None = None  # its run, heads folder or .gguf file
+    precision: str | None = None  # the target GGUF's; None: the run's dtype (f32 or bf16)
+    draft_max: int = DEFAULT_DRAFT_MAX
+
+
+def is_llamacpp(name: str) -> bool:
+    return name == METHOD or name.startswith((f"{METHOD}+", f"{METHOD}@"))
+
+
+def parse_llamacpp(name: str) -> LlamaCppOptions:
+    """`llamacpp[+KIND:DIR][@PRECISION][+draft_max=N]`, checked before anything loads."""
+    rest = name[len(METHOD):]
+    draft_max = DEFAULT_DRAFT_MAX
+    if m := _DRAFT_MAX.search(rest):
+        draft_max, rest = int(m[1]), rest[: m.start()]
+        if draft_max < 1:
+            raise ValueError(f"{name}: +draft_max= is the most tokens llama.cpp drafts per step, >= 1")
+    precision = None
+    if m := _PRECISION.search(rest):
+        precision, rest = m[1], rest[: m.start()]
+        if precision not in PRECISIONS:
+            raise ValueError(f"{name}: llama.cpp precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if not rest:
+        if draft_max != DEFAULT_DRAFT_MAX:
+            raise ValueError(f"{name}: +draft_max= needs a drafter: {METHOD}+KIND:DIR+draft_max={draft_max}")
+        return LlamaCppOptions(precision=precision)
+    kind, _, heads = rest.removeprefix("+").partition(":")
+    if not rest.startswith("+") or not kind or not heads:
+        raise ValueError(f"{name}: write {METHOD}, {METHOD}@PRECISION or {METHOD}+KIND:DIR[@PRECISION][+draft_max=N] "
+                         "(KIND: a drafter kind whose heads export --to gguf)")
+    if not Path(heads).exists():
+        raise ValueError(f"{name}: {heads} does not exist; pass a training run, a heads folder or a .gguf file")
+    saved = _saved_kind(Path(heads))
+    if saved is not None and saved != kind:
+        raise ValueError(f"{name}: {heads} holds {saved} heads, not {kind}; write {METHOD}+{saved}:{heads}")
+    return LlamaCppOptions(kind=kind, heads=heads, precision=precision, draft_max=draft_max)
+
+
+def _saved_kind(path: Path) -> str | None:
+    """The kind our heads folder (or a run's final/) records; None for anything else (a .gguf, a foreign layout):
+    the runner's export, which knows every format, checks those."""
+    for folder in (path, path / "final"):
+        config = folder / "config.json"
+        if config.is_file():
+            kind = json.loads(config.read_text()).get("kind")
+            return kind if isinstance(kind, str) else None
+    return None

@@ -1,0 +1,42 @@
+"""A folder under the cache (`specheads.target.specheads_home`) made once and shared by every process after.
+
+The folder only ever appears by an atomic rename of a finished temporary folder, and a file lock lets concurrent
+processes (the ranks of a launch, the workers of a test run) make it once: so a folder holding its marker file is
+complete, and anything else found in its place is debris from a crashed run, removed before the next try.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock
+
+
+def cached_folder(dest: Path, make: Callable[[Path], None], *, marker: str) -> Path:
+    """`dest`, made by `make(tmp)` into a temporary folder beside it unless `dest/marker` exists already."""
+    if (dest / marker).exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(dest.parent / f"{dest.name}.lock")):
+        if (dest / marker).exists():
+            return dest
+        # Holding the lock, any temporary folder left here belongs to a run that crashed.
+        for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        tmp.chmod(0o755)  # mkdtemp makes the folder owner-only; a shared cache must stay readable by others
+        try:
+            make(tmp)
+            if not (tmp / marker).exists():
+                raise RuntimeError(f"making {dest} left no {marker} in it")
+            if dest.exists():
+                shutil.rmtree(dest)  # a folder without its marker is debris, not a finished one
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return dest

@@ -1,0 +1,102 @@
+"""llama.cpp itself decoding with what we export: a real `llama-server` (built from the package index once, cached)
+on 127.0.0.1, a tiny random Llama target converted to F32 GGUF by llama.cpp's converter, and EAGLE-3 heads exported
+`--to gguf`. Checked: llama.cpp with our draft gives llama.cpp's greedy text without it (its own exactness) and
+reports its draft statistics; its plain greedy text is our `ar`'s on the same weights, or parts from it only where
+the fp32 target itself nearly ties; and the bench runs llama.cpp beside our methods in one interleaved run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from specheads.formats.export import export
+from specheads.inference import Engine
+from specheads.inference.bench.divergence import fp32_margin
+from specheads.inference.proposers import AutoregressiveProposer
+from specheads.llamacpp.build import llama_server
+from specheads.llamacpp.convert import convert_hf_to_gguf
+from specheads.llamacpp.server import LlamaServer
+from specheads.target import render_chat
+from tests.specheads.llamacpp.tiny import eagle3_heads, save_heads, smol_tiny_target
+
+QUESTIONS = ["Write a function that adds two numbers.", "What is the capital of France?",
+             "Tell me a story about a cat.", "List three colors and explain why the sky is blue."]
+NEW_TOKENS = 40
+# fp32 logits of one forward, summed in another order by another library: a few ulps of logits of order 10
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llamacpp")
+    binary = llama_server()  # built once per version and CPU, then cached (scripts/setup.sh builds it first)
+    target = smol_tiny_target(root / "target")
+    model = convert_hf_to_gguf(root / "target", root / "target.gguf", outtype="f32")
+    heads = save_heads(root / "heads", eagle3_heads(target), target, root / "target")
+    draft = export(heads, "gguf", root / "draft", target=str(root / "target"))
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    prompts = [render_chat(tokenizer, [q]) for q in QUESTIONS]
+    return {"binary": binary, "target": target, "model": model, "heads": heads, "root": root,
+            "draft": draft.folder / "eagle3-f32.gguf", "prompts": prompts}
+
+
+def test_llamacpp_with_our_draft_decodes_as_llamacpp_without_it(setup):
+    with LlamaServer(setup["model"], binary=setup["binary"]) as plain, \
+            LlamaServer(setup["model"], binary=setup["binary"], draft=setup["draft"], spec_type="draft-eagle3",
+                        draft_max=3) as drafted:
+        for prompt in setup["prompts"]:
+            a = plain.complete(prompt, max_new_tokens=NEW_TOKENS)
+            b = drafted.complete(prompt, max_new_tokens=NEW_TOKENS)
+            assert b.tokens == a.tokens
+            assert a.drafted == 0 and b.drafted > 0  # the draft ran: llama.cpp loaded and used our file
+            assert b.steps == len(b.tokens) - b.accepted and b.accepted <= b.drafted
+            assert b.stop == a.stop
+
+
+def test_llamacpp_greedy_is_ours_on_the_same_weights_up_to_near_ties(setup):
+    ar = Engine(setup["target"], AutoregressiveProposer())
+    with LlamaServer(setup["model"], binary=setup["binary"], cache_type="f32") as server:
+        for prompt in setup["prompts"]:
+            theirs = server.complete(prompt, max_new_tokens=NEW_TOKENS).tokens
+            ours = ar.generate(prompt, max_new_tokens=NEW_TOKENS).output_ids
+            assert len(theirs) == len(ours) == NEW_TOKENS  # the random target never says its end of turn
+            first = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), None)
+            if first is not None:  # llama.cpp's kernels sum in another order: only a near-tie may flip
+                margin = fp32_margin(setup["target"], prompt, ours, theirs, first)
+                assert margin is not None and margin < NEAR_TIE, (first, margin)
+
+
+def test_a_server_that_cannot_load_its_model_is_reported_with_its_log(setup, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF not really")
+    with pytest.raises(RuntimeError, match="llama-server exited .* while starting"):
+        with LlamaServer(bad, binary=setup["binary"]):
+            pass
+    with pytest.raises(ValueError, match="needs both draft= .* and spec_type="):
+        LlamaServer(setup["model"], draft=setup["draft"])
+
+
+def test_the_bench_runs_llamacpp_beside_our_methods(setup, tmp_path):
+    from specheads.inference.cli import main as cli_main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [q]}) + "\n"
+                                 for i, q in enumerate(QUESTIONS[:2])))
+    out = tmp_path / "bench"
+    target = str(setup["root"] / "target")
+    rc = cli_main(["bench", "--target", target, "--questions", str(questions), "--max-new-tokens", "24",
+                   "--methods", f"ar,llamacpp,llamacpp+eagle3:{setup['heads']}", "--output", str(out), "--no-plots",
+                   "--dtype", "float32"])
+    assert rc in (0, None)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    by = {(r["method"], r["question_id"]): r for r in rows}
+    for q in range(2):
+        plain, drafted = by[("llamacpp", q)], by[(f"llamacpp+eagle3:{setup['heads']}", q)]
+        assert drafted["output_ids"] == plain["output_ids"]  # llama.cpp's own exactness, through the bench
+        assert drafted["stats"]["drafted"] > 0 and plain["stats"]["drafted"] == 0
+        assert plain["stats"]["new_tokens"] == len(plain["output_ids"]) > 0 and plain["stats"]["wall_s"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    methods = [s["method"] for s in summary if s["category"] == "all"]
+    assert methods == ["ar", "llamacpp", f"llamacpp+eagle3:{setup['heads']}"]
