@@ -15,6 +15,8 @@
 #      P-EAGLE heads as they ship. On a CPU with native bf16 (AMX or AVX512-BF16) it decodes in bf16, the fast
 #      choice there: outputs may part from `ar`'s at near-ties, and the bench reports each divergence's fp32 logit
 #      margin (the bf16 rule, README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact).
+#      In the same run, llama.cpp (built by set-up, cached) decodes on the same weights at the same precision, plain
+#      and with the P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not).
 # The table is printed and written to runs/main-<date>/bench/summary.md, the wall time of each phase to
 # runs/main-<date>/phases.txt.
 #
@@ -23,6 +25,7 @@
 #   LIMIT=20 scripts/run.sh              # the first 20 questions instead of a balanced subset
 #   DTYPE=float32 scripts/run.sh         # decode in fp32 (exact) whatever the CPU
 #   EXTRA_METHODS=hf-pld,eagle3:runs/other/final scripts/run.sh   # more methods in the same interleaved run
+#   LLAMACPP=0 scripts/run.sh            # without the llama.cpp methods
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -49,6 +52,12 @@ start=$SECONDS
 train_s=$((SECONDS - start))
 
 methods="hf,hf-static,ar,ngram,peagle:$run/peagle/final"
+if [[ "${LLAMACPP:-1}" == 1 ]]; then
+    # llama.cpp on the same weights at the run's precision, plain and drafting with the same heads (one token: what
+    # it can draft with P-EAGLE heads, docs/llamacpp.md), and on the default target's shipped Q4_1 file
+    heads="$run/peagle/final"
+    methods="$methods,llamacpp,llamacpp+peagle:$heads+draft_max=1,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
+fi
 if [[ -n "${EXTRA_METHODS:-}" ]]; then
     methods="$methods,$EXTRA_METHODS"
 fi

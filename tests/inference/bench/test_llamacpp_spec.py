@@ -1,0 +1,51 @@
+"""How `--methods` names llama.cpp: parsed and checked before any model loads, each mistake named with the fix.
+(The runner itself, a real llama-server, is tested in tests/specheads/llamacpp/test_server.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specheads.inference.bench.llamacpp_spec import DEFAULT_DRAFT_MAX, LlamaCppOptions, is_llamacpp, parse_llamacpp
+from specheads.inference.bench.method_spec import parse_methods
+
+
+@pytest.fixture
+def heads(tmp_path):
+    folder = tmp_path / "run" / "final"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"kind": "peagle", "config": {}}))
+    return folder
+
+
+def test_every_form_parses(heads, tmp_path):
+    assert parse_llamacpp("llamacpp") == LlamaCppOptions()
+    assert parse_llamacpp("llamacpp@q4_1") == LlamaCppOptions(precision="q4_1")
+    assert parse_llamacpp(f"llamacpp+peagle:{heads}") == LlamaCppOptions("peagle", str(heads), None, DEFAULT_DRAFT_MAX)
+    assert parse_llamacpp(f"llamacpp+peagle:{heads.parent}@bf16+draft_max=1") == LlamaCppOptions(
+        "peagle", str(heads.parent), "bf16", 1)  # a run folder: its final/ heads
+    gguf = tmp_path / "d.gguf"
+    gguf.write_bytes(b"")
+    assert parse_llamacpp(f"llamacpp+eagle3:{gguf}").heads == str(gguf)  # a file: the kind is the user's word
+    specs = parse_methods(f"ar,llamacpp,llamacpp+peagle:{heads}+draft_max=1")
+    assert [s.method for s in specs] == ["ar", "llamacpp", "llamacpp"] and specs[2].arg == str(heads)
+    assert is_llamacpp("llamacpp@f32") and not is_llamacpp("llamacppx")
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("llamacpp@q5_k", "precision 'q5_k' is not one of f32, bf16, q8_0, q4_1"),
+    ("llamacpp+draft_max=2", r"\+draft_max= needs a drafter: llamacpp\+KIND:DIR\+draft_max=2"),
+    ("llamacpp+peagle", r"write llamacpp, llamacpp@PRECISION or llamacpp\+KIND:DIR"),
+    ("llamacpp+peagle:/no/such/run", "/no/such/run does not exist; pass a training run, a heads folder or a .gguf"),
+])
+def test_mistakes_are_named(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_llamacpp(spec)
+
+
+def test_the_kind_must_be_the_heads_own(heads):
+    with pytest.raises(ValueError, match=f"holds peagle heads, not eagle3; write llamacpp\\+peagle:{heads}"):
+        parse_llamacpp(f"llamacpp+eagle3:{heads}")
+    with pytest.raises(ValueError, match="is listed twice"):
+        parse_methods("llamacpp,llamacpp")
