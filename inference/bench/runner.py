@@ -386,7 +386,9 @@ def _summary(method: str, category: str, records: list[Record], methods: list[st
         depth = max(len(r.stats.accepted_at_least) for r in rs)
         per_position = [sum(r.stats.accepted_at_least[i] for r in rs if i < len(r.stats.accepted_at_least)) / steps
                         for i in range(depth)] if steps else []
-        draft_ms = 1000 * sum(r.stats.draft_s for r in rs) / steps if steps else None
+        # a runner that cannot see its drafting time (llama.cpp's) leaves it 0: unknown, not free
+        timed_draft = any(r.stats.draft_s for r in rs)
+        draft_ms = 1000 * sum(r.stats.draft_s for r in rs) / steps if steps and timed_draft else None
     return MethodSummary(
         method=method, category=category, generations=len(rs), new_tokens=tokens, wall_s=wall,
         tokens_per_s=tokens / wall if wall else 0.0, speedup_vs_ar=ratio("ar"), speedup_vs_hf=ratio("hf"),
