@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from specheads.formats.export import export
@@ -100,3 +101,33 @@ def test_the_bench_runs_llamacpp_beside_our_methods(setup, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     methods = [s["method"] for s in summary if s["category"] == "all"]
     assert methods == ["ar", "llamacpp", f"llamacpp+eagle3:{setup['heads']}"]
+
+
+@pytest.mark.slow
+def test_the_default_target_in_llamacpp_with_eagle3_heads_for_it(tmp_path):
+    """The real default target: its F32 GGUF (converted once, cached) in llama.cpp decodes as our `ar` and as
+    llama.cpp with EAGLE-3 heads for it; the shipped Q4_1 file loads and drafts too."""
+    from specheads.heads.checkpoint import TargetInfo, save_drafter
+    from specheads.heads.eagle3 import Eagle3Config, Eagle3Head
+    from specheads.llamacpp.target_gguf import target_gguf
+    from specheads.target import load_target
+    from tests.drafters import perturbed
+
+    target, tokenizer = load_target("default", dtype="float32")
+    cfg = Eagle3Config(hidden_size=576, vocab_size=49152, aux_layers=(2, 15, 27), draft_vocab=tuple(range(8000)))
+    torch.manual_seed(0)
+    save_drafter(tmp_path / "heads", perturbed(Eagle3Head(cfg, target), scale=0.01).eval(),
+                 TargetInfo.from_model(target, "default"))
+    draft = export(tmp_path / "heads", "gguf", tmp_path / "draft", target="default")
+    prompt = render_chat(tokenizer, ["Write a Python function that reverses a string."])
+    ours = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32).output_ids
+    f32 = target_gguf("default", "f32")
+    with LlamaServer(f32, cache_type="f32") as plain, \
+            LlamaServer(f32, draft=draft.folder / "eagle3-f32.gguf", spec_type="draft-eagle3", cache_type="f32") as lc:
+        theirs = plain.complete(prompt, max_new_tokens=32)
+        drafted = lc.complete(prompt, max_new_tokens=32)
+    assert theirs.tokens[:len(ours)] == ours[:len(theirs.tokens)]  # equal up to where one stops
+    assert drafted.tokens == theirs.tokens and drafted.drafted > 0
+    with LlamaServer(target_gguf("default", "q4_1"), draft=draft.folder / "eagle3-f32.gguf",
+                     spec_type="draft-eagle3") as q4:
+        assert q4.complete(prompt, max_new_tokens=8).drafted > 0
