@@ -72,3 +72,14 @@ def _saved_kind(path: Path) -> str | None:
             kind = json.loads(config.read_text()).get("kind")
             return kind if isinstance(kind, str) else None
     return None
+
+
+def plain_of(name: str) -> str | None:
+    """The plain llama.cpp method at the same precision as the drafting one `name` (its own exactness reference:
+    `llamacpp+KIND:DIR@q4_1+draft_max=1` -> `llamacpp@q4_1`); None for a name that drafts nothing. Read from the
+    name alone: the heads need not exist any more."""
+    if not is_llamacpp(name) or not name.startswith(f"{METHOD}+"):
+        return None
+    rest = _DRAFT_MAX.sub("", name)
+    precision = _PRECISION.search(rest)
+    return METHOD + (f"@{precision[1]}" if precision else "")

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specheads.inference.bench.llamacpp_spec import plain_of
 from specheads.inference.bench.runner import MethodSummary, Record, summarize
 
 PLOTS = ("speedup_by_category.png", "tau_histogram.png", "accept_per_position.png")
@@ -24,6 +25,9 @@ class BenchReport:
     mismatches: list[dict]  # greedy outputs that differ from ar's: method, question_id, turn, first_mismatch,
     # margin_fp32
     config: dict = field(default_factory=dict)  # what was run (target, methods, sampling, versions, ...)
+    # greedy runs: for each llama.cpp method drafting with our heads, "k/n" outputs equal to plain llama.cpp's at the
+    # same precision (llama.cpp's own exactness, beside the comparison with our ar)
+    llamacpp_exact: dict[str, str] = field(default_factory=dict)
 
 
 def build_report(records: list[Record], *, greedy: bool, config: dict | None = None) -> BenchReport:
@@ -31,7 +35,19 @@ def build_report(records: list[Record], *, greedy: bool, config: dict | None = N
     by_category = summarize(records, greedy=greedy, by_category=True)
     mismatches = [{"method": r.method, "question_id": r.question_id, "turn": r.turn, "first_mismatch": r.first_mismatch,
                    "margin_fp32": r.margin_fp32} for r in records if r.matches_ar is False]
-    return BenchReport(overall, by_category, mismatches, dict(config or {}))
+    exact = llamacpp_exactness(records) if greedy else {}
+    return BenchReport(overall, by_category, mismatches, dict(config or {}), exact)
+
+
+def llamacpp_exactness(records: list[Record]) -> dict[str, str]:
+    """{llama.cpp method drafting with our heads: "k/n" of its outputs equal to plain llama.cpp's, same prompt}."""
+    outputs = {(r.method, r.question_id, r.turn): r for r in records}
+    counts: dict[str, list[bool]] = {}
+    for r in records:
+        plain = outputs.get((plain_of(r.method), r.question_id, r.turn))
+        if plain is not None and plain.prompt_ids == r.prompt_ids:
+            counts.setdefault(r.method, []).append(plain.output_ids == r.output_ids)
+    return {m: f"{sum(same)}/{len(same)}" for m, same in counts.items()}
 
 
 def record_row(rec: Record) -> dict:
@@ -79,6 +95,10 @@ def summary_markdown(report: BenchReport) -> str:
         parts += ["; ".join(f"{k}: {show(v)}" for k, v in cfg.items() if k != "versions"), ""]
     parts += ["## Overall", "", markdown_table(report.overall), "",
               "## Per category", "", markdown_table(report.by_category, with_category=True), ""]
+    if report.llamacpp_exact:
+        parts += ["## llama.cpp with our heads against llama.cpp alone", ""]
+        parts += [f"- {m}: {k} outputs equal to {plain_of(m)}'s" for m, k in report.llamacpp_exact.items()]
+        parts.append("")
     if report.mismatches:
         parts += ["## Greedy mismatches against ar", "", mismatch_summary(report.mismatches), ""]
         parts += [f"- {m['method']}, question {m['question_id']} turn {m['turn']}: first differs at output token "
@@ -207,7 +227,8 @@ def write_report(report: BenchReport, records: list[Record], out_dir: Path, plot
     rows = [asdict(s) for s in [*report.overall, *report.by_category]]
     (out_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
     (out_dir / "summary.md").write_text(summary_markdown(report), encoding="utf-8")
-    (out_dir / "config.json").write_text(json.dumps({**report.config, "mismatches": report.mismatches}, indent=2,
+    (out_dir / "config.json").write_text(json.dumps({**report.config, "mismatches": report.mismatches,
+                                                     "llamacpp_exact": report.llamacpp_exact}, indent=2,
                                                     default=str) + "\n", encoding="utf-8")
     written = [out_dir / n for n in ("results.jsonl", "summary.json", "summary.md", "config.json")]
     return written + (write_plots(report, records, out_dir) if plots else [])

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> None:
 
 def _print_report(done) -> None:
     from specheads.inference.bench import report as bench_report
+    from specheads.inference.bench.llamacpp_spec import plain_of
 
     print(bench_report.markdown_table(done.report.overall))
     print()
@@ -117,6 +118,9 @@ def _print_report(done) -> None:
               f"{m['first_mismatch']}{margin}", file=sys.stderr)
     if done.report.mismatches:
         print(bench_report.mismatch_summary(done.report.mismatches), file=sys.stderr)
+    for method, equal in done.report.llamacpp_exact.items():
+        print(f"{method}: {equal} outputs equal to {plain_of(method)}'s (llama.cpp's own "
+              "exactness)", file=sys.stderr)
     if done.diagnosis is not None:
         print()
         print(done.diagnosis)

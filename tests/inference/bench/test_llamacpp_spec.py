@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from specheads.inference.bench.llamacpp_spec import DEFAULT_DRAFT_MAX, LlamaCppOptions, is_llamacpp, parse_llamacpp
+from specheads.inference.bench.llamacpp_spec import (
+    DEFAULT_DRAFT_MAX,
+    LlamaCppOptions,
+    is_llamacpp,
+    parse_llamacpp,
+    plain_of,
+)
 from specheads.inference.bench.method_spec import parse_methods
 
 
@@ -49,3 +55,9 @@ def test_the_kind_must_be_the_heads_own(heads):
         parse_llamacpp(f"llamacpp+eagle3:{heads}")
     with pytest.raises(ValueError, match="is listed twice"):
         parse_methods("llamacpp,llamacpp")
+
+
+def test_each_drafting_method_names_its_plain_reference():
+    assert plain_of("llamacpp+peagle:/gone/run@q4_1+draft_max=1") == "llamacpp@q4_1"
+    assert plain_of("llamacpp+eagle3:/gone/run") == "llamacpp"
+    assert plain_of("llamacpp@bf16") is None and plain_of("ar") is None and plain_of("peagle:/x") is None

@@ -101,6 +101,10 @@ def test_the_bench_runs_llamacpp_beside_our_methods(setup, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     methods = [s["method"] for s in summary if s["category"] == "all"]
     assert methods == ["ar", "llamacpp", f"llamacpp+eagle3:{setup['heads']}"]
+    summary_md = (out / "summary.md").read_text()
+    assert f"- llamacpp+eagle3:{setup['heads']}: 2/2 outputs equal to llamacpp's" in summary_md
+    assert json.loads((out / "config.json").read_text())["llamacpp_exact"] == {
+        f"llamacpp+eagle3:{setup['heads']}": "2/2"}
 
 
 @pytest.mark.slow
