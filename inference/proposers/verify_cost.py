@@ -126,25 +126,67 @@ def default_cache_dir() -> Path:
     return specheads_home() / "verify-cost"
 
 
+# A cached curve is measured again when it is older than this (a machine's libraries and load change) ...
+MAX_AGE_S = 30 * 24 * 3600.0
+# ... or when a quick check now (a one-token step and a 4-node verify) finds it this much slower or steeper than the
+# machine is today: such a curve was measured while something else ran, and would keep cutting every tree. A check
+# that finds the machine slower than its cached curve keeps the curve: re-measuring on a busy machine is the error.
+CHECK_SIZES = (1, 4)
+DRIFT = 1.3
+
+
 def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, batch: int = 1, **measure) -> VerifyCost:
-    """The model's verify cost on this machine at `batch` rows: read from the cache, or measured (a few seconds) and
-    cached."""
+    """The model's verify cost on this machine at `batch` rows: read from the cache (checked against a quick
+    measurement, and aged out after `MAX_AGE_S`), or measured (a few seconds) and cached."""
     name = machine_key(model) + (f"-batch{batch}" if batch > 1 else "")
     path = (cache_dir or default_cache_dir()) / f"{name}.json"
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return VerifyCost(nodes=tuple(data["nodes"]), seconds=tuple(data["seconds"]))
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged entry is measured again and overwritten
-    log.info("measuring the target's verify cost by tree size at batch %d on this machine (once; cached in %s)",
-             batch, path.parent)
+    cached, why = _cached(path), "once"
+    if cached is not None:
+        cost, measured_at = cached
+        if measured_at is not None and time.time() - measured_at > MAX_AGE_S:
+            why = f"again: the cached curve is {(time.time() - measured_at) / 86400:.0f} days old"
+        elif (stale := _stale(cost, model, batch)) is None:
+            return cost
+        else:
+            why = f"again: {stale}"
+            log.warning("the cached verify cost in %s %s; measuring it again", path, stale)
+    log.info("measuring the target's verify cost by tree size at batch %d on this machine (%s; cached in %s)",
+             batch, why, path.parent)
     cost = measure_verify_cost(model, batch=batch, **measure)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(cost)), encoding="utf-8")
+    tmp.write_text(json.dumps({**asdict(cost), "measured_at": time.time()}), encoding="utf-8")
     tmp.replace(path)
     return cost
+
+
+def _cached(path: Path) -> tuple[VerifyCost, float | None] | None:
+    """(curve, when it was measured or None where the entry predates the field); None when absent or damaged (a
+    damaged entry is measured again and overwritten)."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        cost = VerifyCost(nodes=tuple(data["nodes"]), seconds=tuple(data["seconds"]))
+        measured_at = data.get("measured_at")
+        return cost, float(measured_at) if measured_at is not None else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _stale(cost: VerifyCost, model: PreTrainedModel, batch: int) -> str | None:
+    """Why the cached `cost` is not this machine's today, or None: a quick measurement of a one-token step and a
+    4-node verify finds the cached step more than DRIFT times slower, or the cached 4-node verify more than DRIFT
+    times dearer relative to it."""
+    now = measure_verify_cost(model, sizes=CHECK_SIZES, reps=2, batch=batch)
+    n = CHECK_SIZES[-1]
+    if cost.seconds[0] > DRIFT * now.seconds[0]:
+        return (f"has a one-token step of {cost.seconds[0] * 1000:.1f} ms where one takes {now.seconds[0] * 1000:.1f} "
+                "ms now (measured while the machine was busy)")
+    if cost.relative(n) > DRIFT * now.relative(n):
+        return (f"has a {n}-node verify at {cost.relative(n):.2f}x a step where it costs {now.relative(n):.2f}x now "
+                "(measured while the machine was busy)")
+    return None
 
 
 class VerifyCosts:

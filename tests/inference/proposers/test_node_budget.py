@@ -56,27 +56,38 @@ def test_a_bad_curve_is_refused(nodes, seconds):
         VerifyCost(nodes=nodes, seconds=seconds)
 
 
+def no_full_measurement(model, sizes=(), **kwargs):
+    """A measurement that fails unless it is the cache's quick check, which it answers as a busy machine would (far
+    slower than any cached curve), so the cached curve holds (the check itself: test_verify_cost.py)."""
+    if tuple(sizes) != verify_cost_mod.CHECK_SIZES:
+        pytest.fail("measured again")
+    return VerifyCost(nodes=(1, 4), seconds=(10.0, 1000.0))
+
+
 def test_measured_once_then_read_from_the_cache(target, tmp_path, monkeypatch):
     monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", measure_verify_cost)  # the real one (conftest fixes it)
     first = verify_cost(target, cache_dir=tmp_path, sizes=(1, 2, 4), reps=1, context=16)
     assert first.nodes == (1, 2, 4) and all(s > 0 for s in first.seconds)
     (entry,) = tmp_path.glob("*.json")
-    monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
-    assert verify_cost(target, cache_dir=tmp_path) == first
+    monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", no_full_measurement)
+    assert verify_cost(target, cache_dir=tmp_path) == first  # read back (after a quick check), not measured again
     other = tiny_model("llama", layers=2)  # another model has its own entry
     monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", lambda *a, **k: FLAT)
     assert verify_cost(other, cache_dir=tmp_path) == FLAT and len(list(tmp_path.glob("*.json"))) == 2
     entry.write_text("{not json")  # a damaged entry is measured again and replaced
     assert verify_cost(target, cache_dir=tmp_path) == FLAT
-    assert json.loads(entry.read_text()) == {"nodes": [1, 64], "seconds": [0.01, 0.01]}
+    saved = json.loads(entry.read_text())
+    assert (saved["nodes"], saved["seconds"]) == ([1, 64], [0.01, 0.01]) and saved["measured_at"] > 0
 
 
 def test_a_batch_has_its_own_curve_measured_on_padded_rows(target, tmp_path, monkeypatch):
     measured = []
 
-    def measure(model, **kwargs):
+    def measure(model, sizes=(1, 2, 4), **kwargs):
+        if tuple(sizes) == verify_cost_mod.CHECK_SIZES:
+            return no_full_measurement(model, sizes)
         measured.append(kwargs["batch"])
-        return measure_verify_cost(model, sizes=(1, 2, 4), reps=1, context=16, **kwargs)
+        return measure_verify_cost(model, sizes=sizes, reps=1, context=16, batch=kwargs["batch"])
 
     monkeypatch.setattr(verify_cost_mod, "measure_verify_cost", measure)
     costs = VerifyCosts(target, cache_dir=tmp_path)
