@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from specheads.features import check_aux_layers
 from specheads.formats.base import ExportContext, Exporter, layer_config
 from specheads.formats.speculators import write_speculators_layout
-from specheads.heads.checkpoint import WEIGHTS_NAME, Checkpoint, TargetInfo
+from specheads.heads.checkpoint import Checkpoint, TargetInfo
 from specheads.heads.fused_chain import FusedChainConfig
 from specheads.llamacpp.convert import check_outtype, convert_hf_to_gguf
 
@@ -100,10 +99,8 @@ def write_chain_gguf(cfg: FusedChainConfig, state: Mapping[str, torch.Tensor], f
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         draft = Path(tmp) / f"{kind}-draft"  # the converter names the model (general.name) after its folder
-        write_speculators_layout(cfg, state, draft, ctx, architecture="Eagle3Speculator")
-        weights = load_file(draft / WEIGHTS_NAME)
-        del weights["embed_tokens.weight"]  # the draft shares the target's
-        save_file(weights, draft / WEIGHTS_NAME)
+        # without the target's embedding: the draft shares the target's (`-m`)
+        write_speculators_layout(cfg, state, draft, ctx, architecture="Eagle3Speculator", with_embedding=False)
         convert_hf_to_gguf(draft, folder / name, outtype=precision, target_model_dir=ctx.target_path)
     check_drafter_gguf(folder / name, cfg, lc)
     (folder / "README.md").write_text(_readme(kind, name, ctx.verifier, precision, note, draft_max),

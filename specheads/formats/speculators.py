@@ -97,13 +97,21 @@ def chain_names(cfg: FusedChainConfig, lc: Any) -> dict[str, tuple[int, ...]]:
 def write_speculators_layout(cfg: FusedChainConfig, state: Mapping[str, torch.Tensor], folder: Path,
                              ctx: ExportContext, *, architecture: str, speculative_tokens: int | None = None,
                              extra_names: Mapping[str, tuple[int, ...]] | None = None,
-                             extra_config: Mapping[str, Any] | None = None) -> list[str]:
+                             extra_config: Mapping[str, Any] | None = None,
+                             with_embedding: bool = True) -> list[str]:
     """A fused chain head (`cfg.KIND`: eagle3, or a kind extending it) in speculators' layout: its tensors, the
     vocabulary mappings and the target's embedding, checked by name and shape, and the config speculators reads.
-    `speculative_tokens` (None: the export's, else 3) is the greedy proposal's draft depth."""
+    `speculative_tokens` (None: the export's, else 3) is the greedy proposal's draft depth. `with_embedding=False`
+    leaves the target's embedding out (for a reader that shares the target's, llama.cpp's converter): the target's
+    weights are then never loaded."""
     lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
-    state = {**state, **vocab_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
-    check_export(state, {**chain_names(cfg, lc), **(extra_names or {})}, f"speculators {cfg.KIND} (vLLM)")
+    expected = {**chain_names(cfg, lc), **(extra_names or {})}
+    state = {**state, **vocab_mappings(cfg)}
+    if with_embedding:
+        state["embed_tokens.weight"] = ctx.target_embedding()
+    else:
+        del expected["embed_tokens.weight"]
+    check_export(state, expected, f"speculators {cfg.KIND} (vLLM)")
     config = {
         "architectures": [architecture],
         "speculators_model_type": cfg.KIND,

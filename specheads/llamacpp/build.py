@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 
 from specheads.cached import cached_folder
-from specheads.llamacpp.source import VERSION, Progress, llamacpp_home, source_tree
+from specheads.llamacpp.source import VERSION, Progress, llamacpp_home, quiet, source_tree
 
 SERVER = "llama-server"
 CMAKE_OPTIONS = (
@@ -55,7 +55,7 @@ def machine_key() -> str:
 
 def llama_server(version: str = VERSION, on_progress: Progress | None = None, jobs: int | None = None) -> Path:
     """The `llama-server` binary of `version`, built on first use (source downloaded first if needed)."""
-    report = on_progress or (lambda line: None)
+    report = on_progress or quiet
     folder = llamacpp_home(version) / f"bin-{machine_key()}"
     cached_folder(folder, lambda tmp: _build(version, tmp, report, jobs), marker=SERVER)
     return folder / SERVER

@@ -39,12 +39,12 @@ def llamacpp_home(version: str = VERSION) -> Path:
 
 def source_tree(version: str = VERSION, on_progress: Progress | None = None) -> Path:
     """llama.cpp's source tree of `version`, downloaded and unpacked on first use."""
-    return cached_folder(llamacpp_home(version) / "src", lambda tmp: _fetch(version, tmp, on_progress or _quiet),
+    return cached_folder(llamacpp_home(version) / "src", lambda tmp: _fetch(version, tmp, on_progress or quiet),
                          marker=CONVERTER)
 
 
-def _quiet(line: str) -> None:
-    pass
+def quiet(line: str) -> None:
+    """The progress callback that reports nothing."""
 
 
 def index_url() -> str:
