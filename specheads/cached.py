@@ -1,4 +1,4 @@
-"""A folder under the cache (`specheads.target.specheads_home`) made once and shared by every process after.
+"""A folder under the cache (`specheads_home`) made once and shared by every process after.
 
 The folder only ever appears by an atomic rename of a finished temporary folder, and a file lock lets concurrent
 processes (the ranks of a launch, the workers of a test run) make it once: so a folder holding its marker file is
@@ -14,6 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
+
+
+def specheads_home() -> Path:
+    """Cache root for converted targets and other derived files ($SPECHEADS_HOME, else ~/.cache/specheads)."""
+    env = os.environ.get("SPECHEADS_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "specheads"
 
 
 def cached_folder(dest: Path, make: Callable[[Path], None], *, marker: str) -> Path:

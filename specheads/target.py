@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +25,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specheads.cached import cached_folder
+from specheads.cached import cached_folder, specheads_home
 from specheads.fp32_head import fp32_head as with_fp32_head
 from specheads.gemm_layout import resolve_layout, set_linear_layout
 from specheads.hf import causal_lm_class
@@ -57,14 +56,6 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 # Set after the first plain-text fallback so the warning is not repeated per prompt.
 _warned_no_chat_template = False
-
-
-def specheads_home() -> Path:
-    """Cache root for converted targets and other derived files."""
-    env = os.environ.get("SPECHEADS_HOME")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "specheads"
 
 
 def default_gguf_path() -> Path:

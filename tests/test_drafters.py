@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.gemm_layout import linear_layout, resolve_layout, set_linear_layout
+from specheads import gemm_choice
+from specheads.gemm_layout import linear_layout, packing_available, resolve_layout, set_linear_layout
 from specheads.heads.checkpoint import load_drafter
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods import METHODS
@@ -90,12 +91,21 @@ def test_cuda_decodes_as_the_cpu_and_bf16_speculation_equals_bf16_ar(kind, arch,
         assert sampled.stats.new_tokens == 16
 
 
-@pytest.mark.parametrize("layout", ["column", "transposed"])
+MIXED_PLAN = ("packed", "transposed", "row", "packed", "transposed", "row", "packed")  # a kernel per row bucket
+
+
+@pytest.mark.parametrize("layout", ["column", "transposed", "packed", "measured"])
 @pytest.mark.parametrize("kind", KIND_NAMES)
-def test_greedy_equals_plain_greedy_with_another_weight_layout(kind, layout, tmp_path):
-    """The CPU default for fp32 (`--weight-layout auto`: column-major weights) and the opt-in transposed products:
-    the heads load in the target's layout too; only GEMM kernels change, so outputs still equal plain greedy (in
-    the same layout)."""
+def test_greedy_equals_plain_greedy_with_another_weight_layout(kind, layout, tmp_path, monkeypatch):
+    """Every weight form the engine can pick on CPU in fp32 (column-major weights, transposed products, oneDNN's
+    packed weights, and `--weight-layout auto`'s measured plan, here one that changes kernel with the row count): the
+    heads load in the target's layout too; only GEMM kernels change, so outputs still equal plain greedy (in the same
+    layout)."""
+    if layout == "packed" and not packing_available(torch.float32):
+        pytest.skip("oneDNN packs no fp32 weights on this CPU")
+    monkeypatch.setattr(gemm_choice, "plans", lambda shapes, dtype: {
+        s: MIXED_PLAN if packing_available(dtype) else tuple(k.replace("packed", "row") for k in MIXED_PLAN)
+        for s in shapes})
     target = set_linear_layout(tiny_model("llama"), layout)
     check_greedy_equals_plain_greedy(kind, target, tmp_path, DRAFTERS[kind].options[:2])
     assert linear_layout(load_drafter(tmp_path, target, kind=kind)) == layout

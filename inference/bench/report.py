@@ -85,6 +85,13 @@ def markdown_table(summaries: list[MethodSummary], *, with_category: bool = Fals
     return "\n".join(lines)
 
 
+def machine_text(machine: dict) -> str:
+    """`run.machine`'s record in words: the device, its kernel-choosing flags and threads, then the kernel plans."""
+    lines = [f"{machine['device']} ({machine['threads']} threads; flags: {machine['cpu_flags']}); weights "
+             f"{machine['weight_layout']}" + (", products by measured kernel:" if machine["kernels"] else "")]
+    return "\n".join(lines + [f"- {line}" for line in machine["kernels"]])
+
+
 def summary_markdown(report: BenchReport) -> str:
     cfg = report.config
     parts = ["# specheads bench", ""]
@@ -92,7 +99,9 @@ def summary_markdown(report: BenchReport) -> str:
         def show(v: object) -> str:
             return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
 
-        parts += ["; ".join(f"{k}: {show(v)}" for k, v in cfg.items() if k != "versions"), ""]
+        parts += ["; ".join(f"{k}: {show(v)}" for k, v in cfg.items() if k not in ("versions", "machine")), ""]
+        if "machine" in cfg:
+            parts += ["## Machine", "", machine_text(cfg["machine"]), ""]
     parts += ["## Overall", "", markdown_table(report.overall), "",
               "## Per category", "", markdown_table(report.by_category, with_category=True), ""]
     if report.llamacpp_exact:

@@ -21,11 +21,14 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from specheads.gemm_choice import describe
+from specheads.gemm_layout import layout_plans, linear_layout
 from specheads.inference.bench import report as bench_report
 from specheads.inference.bench.divergence import attach_margins
 from specheads.inference.bench.report import BenchReport
 from specheads.inference.bench.runner import Record, Runner, mark_exactness, run_bench
 from specheads.inference.engine.sampling import SamplingParams
+from specheads.machine import cpu_name, vector_flags
 from specheads.questions import Question
 
 
@@ -57,6 +60,16 @@ def run_config(settings: dict) -> dict:
     """config.json: what was asked for, when it started and the library versions."""
     return {**settings, "started": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+
+
+def machine(model: PreTrainedModel) -> dict:
+    """Where the run ran, for config.json and summary.md: the CPU and the flags that choose its kernels, the threads,
+    the target's weight layout and, where products run on measured kernels, which kernel each weight shape took at
+    each row count."""
+    device = next(model.parameters()).device
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+            "cpu_flags": vector_flags(), "threads": torch.get_num_threads(), "weight_layout": linear_layout(model),
+            "kernels": describe(layout_plans(model)).splitlines()}
 
 
 def collect(runners: dict[str, Runner], tokenizer: PreTrainedTokenizerBase, questions: Sequence[Question], *,

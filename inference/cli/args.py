@@ -39,12 +39,12 @@ def add_model_settings(p: argparse.ArgumentParser) -> None:
     # The names are checked where the model loads (`specheads.gemm_layout.resolve_layout`), so building these
     # arguments imports no torch.
     p.add_argument("--weight-layout", default="auto", metavar="LAYOUT",
-                   help="how linear weights are stored: auto (column-major for fp32 on CPU, where few-row GEMMs such "
-                        "as a tree verify run several times faster that way; packed for bf16 on a CPU with native "
-                        "bf16, where each weight is packed once for oneDNN instead of at every product; row-major "
-                        "elsewhere), row, column, packed, transposed (row-major weights, products written (W xᵀ)ᵀ: "
-                        "faster on CPUs whose BLAS is slow at few rows either way; scripts/lab/bench_gemm.py "
-                        "compares). Only GEMM rounding changes")
+                   help="how linear layers multiply: auto (measured for fp32 on CPU; packed for bf16 on a CPU with "
+                        "native bf16; row-major elsewhere), measured (each weight shape, at each row count, on the "
+                        "kernel measured fastest on this machine: F.linear, (W xᵀ)ᵀ or oneDNN's packed weights; "
+                        "measured once and cached), packed (oneDNN's packed weights everywhere), transposed ((W xᵀ)ᵀ "
+                        "for more than one row), column (column-major weights), row. Only GEMM rounding changes; "
+                        "bench's header names the kernels taken")
     p.add_argument("--step", default="auto", choices=("auto", "lean", "hf"),
                    help="the target's forward in the engine: lean (fused q/k/v and gate/up products, fewer calls per "
                         "layer; Llama, Qwen2, Qwen3 and Mistral without sliding window), hf (the model's own forward), "

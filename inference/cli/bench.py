@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from specheads.inference.bench import report as bench_report
     from specheads.inference.bench import run as bench_run
     from specheads.inference.bench.method_spec import parse_methods
     from specheads.inference.bench.runner import build_runners, close_runners
@@ -82,6 +83,8 @@ def run(args: argparse.Namespace) -> None:
 
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = shared.load_model(args)
+    config["machine"] = bench_run.machine(model)
+    print(bench_report.machine_text(config["machine"]), file=sys.stderr)
     runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose,
                             step=args.step, compile=args.compile, tokenizer=tokenizer, target_name=args.target)
 

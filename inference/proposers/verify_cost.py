@@ -17,7 +17,6 @@ import bisect
 import hashlib
 import json
 import logging
-import platform
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,10 +26,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specheads.gemm_layout import linear_layout
+from specheads.cached import specheads_home
+from specheads.gemm_layout import layout_plans, linear_layout
 from specheads.inference.engine.lean_forward import resolve_step
 from specheads.inference.engine.tree import DraftTree
-from specheads.target import specheads_home
+from specheads.machine import cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -231,10 +231,10 @@ def prepare_verify_costs(model: PreTrainedModel, max_batch: int, cache_dir: Path
 
 
 def machine_key(model: PreTrainedModel) -> str:
-    """What step costs depend on: the model's shapes, dtype, weight layout, forward (lean or HF), device, threads and
-    software."""
+    """What step costs depend on: the model's shapes, dtype, weight layout and kernel plans, forward (lean or HF),
+    device, threads and software."""
     parts = [model.config.to_json_string(use_diff=False), str(model.dtype), linear_layout(model),
-             resolve_step("auto", model), *_setting(model)]
+             repr(sorted(layout_plans(model).items())), resolve_step("auto", model), *_setting(model)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -247,18 +247,8 @@ def machine_description(model: PreTrainedModel) -> str:
 
 def _setting(model: PreTrainedModel) -> tuple[str, str, str, str]:
     device = next(model.parameters()).device
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return device.type, hardware, str(torch.get_num_threads()), torch.__version__
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_sync(device: torch.device) -> None:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from specheads.gemm_layout import cpu_has_native_bf16
+from specheads.machine import cpu_has_native_bf16
 from specheads.target import load_target
 from specheads.train.data import load_conversations, tokenize_dataset
 from specheads.train.feature_cache import write_feature_cache

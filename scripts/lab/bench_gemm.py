@@ -9,7 +9,8 @@ none stays in the last-level cache, as a model's layers do, and times `y = x W�
 - `linear`: `F.linear(x, W)` with W row-major (`--weight-layout row`);
 - `x@Wt`: `x @ Wᵀ` with Wᵀ contiguous (what `--weight-layout column` makes `F.linear` do);
 - `W@xT`: `(W @ xᵀ)ᵀ` with W row-major (a GEMM whose small dimension is the output's columns);
-- `mkldnn`: oneDNN's linear on the row-major W.
+- `mkldnn`: oneDNN's linear on the row-major W;
+- `packed`: oneDNN's linear on W reordered once into its blocked layout (`--weight-layout packed`).
 
 It prints the weights' effective read rate (bytes of W per second; higher is better): what a step's products can
 approach is the machine's read bandwidth (`scripts/lab/profile_step.py` probes it). The four give the same product up
@@ -41,11 +42,13 @@ def shapes(config) -> dict[str, tuple[int, int]]:
             "lm_head": (c.vocab_size, c.hidden_size)}
 
 
-def products(ws: list[torch.Tensor], wts: list[torch.Tensor], x: torch.Tensor) -> dict[str, Callable[[], object]]:
+def products(ws: list[torch.Tensor], wts: list[torch.Tensor], packed: list[torch.Tensor],
+             x: torch.Tensor) -> dict[str, Callable[[], object]]:
     ways = {"linear": lambda: [F.linear(x, w) for w in ws], "x@Wt": lambda: [x @ wt for wt in wts],
             "W@xT": lambda: [(w @ x.T).T for w in ws]}
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         ways["mkldnn"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in ws]
+        ways["packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed]
     return ways
 
 
@@ -72,12 +75,14 @@ def main() -> None:
         copies = max(2, -(-COLD_BYTES // (n * k * 4)))
         ws = [torch.randn(n, k, generator=gen) for _ in range(copies)]
         wts = [w.T.contiguous() for w in ws]
+        packed = ([torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
+                  if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") else [])
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             rates = {way: n * k * 4 * copies / median_seconds(fn, args.reps) / 1e9
-                     for way, fn in products(ws, wts, x).items()}
+                     for way, fn in products(ws, wts, packed, x).items()}
             print(f"{name:>8} x{copies:<4} rows {m:>3}: " + "  ".join(f"{way} {r:5.1f}" for way, r in rates.items()))
-        del ws, wts
+        del ws, wts, packed
 
 
 if __name__ == "__main__":

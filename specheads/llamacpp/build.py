@@ -21,6 +21,7 @@ from pathlib import Path
 
 from specheads.cached import cached_folder
 from specheads.llamacpp.source import VERSION, Progress, llamacpp_home, quiet, source_tree
+from specheads.machine import cpu_flags
 
 SERVER = "llama-server"
 CMAKE_OPTIONS = (
@@ -41,14 +42,7 @@ def extra_cmake_args() -> list[str]:
 
 def machine_key() -> str:
     """What the native build depends on: the architecture, the CPU's feature flags, the extra cmake options."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        flags = platform.processor()
+    flags = " ".join(cpu_flags()) or platform.processor()
     text = "\n".join([platform.machine(), flags, *extra_cmake_args()])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

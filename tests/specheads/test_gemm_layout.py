@@ -5,9 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specheads import gemm_layout
+from specheads.gemm_choice import BUCKETS
 from specheads.gemm_layout import (
-    PackedLinear,
-    TransposedLinear,
+    PlannedLinear,
+    layout_plans,
     linear_layout,
     packing_available,
     resolve_layout,
@@ -17,8 +18,8 @@ from specheads.target import load_target
 from tests.conftest import tiny_config
 
 
-def test_auto_is_column_major_for_fp32_on_cpu_and_packed_for_native_bf16(monkeypatch):
-    assert resolve_layout("auto", "cpu", torch.float32) == "column"
+def test_auto_is_measured_for_fp32_on_cpu_and_packed_for_native_bf16(monkeypatch):
+    assert resolve_layout("auto", "cpu", torch.float32) == "measured"
     assert resolve_layout("auto", "cuda", torch.float32) == "row"
     assert resolve_layout("auto", "cuda", torch.bfloat16) == "row"
     assert resolve_layout("row", "cpu", torch.float32) == "row"
@@ -28,10 +29,12 @@ def test_auto_is_column_major_for_fp32_on_cpu_and_packed_for_native_bf16(monkeyp
     assert resolve_layout("auto", "cpu", torch.bfloat16) == ("packed" if packing_available() else "row")
     with pytest.raises(ValueError, match="unknown weight layout 'cols'; use one of: auto, row, column, packed"):
         resolve_layout("cols", "cpu", torch.float32)
-    with pytest.raises(ValueError, match="packed is for bf16 on CPU .*float32 on cpu.*--dtype bfloat16"):
+    monkeypatch.setattr(gemm_layout, "packing_available", lambda dtype: False)
+    with pytest.raises(ValueError, match="packed needs oneDNN packing of torch.float32 weights.*--weight-layout auto"):
         resolve_layout("packed", "cpu", torch.float32)
-    with pytest.raises(ValueError, match="bfloat16 on cuda"):
-        resolve_layout("packed", "cuda", torch.bfloat16)
+    for layout in ("packed", "measured"):
+        with pytest.raises(ValueError, match=f"{layout} chooses CPU kernels; this model is on cuda"):
+            resolve_layout(layout, "cuda", torch.bfloat16)
 
 
 def test_column_major_keeps_values_names_and_ties():
@@ -52,7 +55,7 @@ def test_column_major_keeps_values_names_and_ties():
     torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
     set_linear_layout(model, "row")
     assert linear_layout(model) == "row" and model.model.layers[0].mlp.up_proj.weight.is_contiguous()
-    with pytest.raises(ValueError, match="'row', 'column', 'packed' or 'transposed'"):
+    with pytest.raises(ValueError, match="row, column, packed, transposed, measured, got 'auto'"):
         set_linear_layout(model, "auto")
 
 
@@ -65,13 +68,13 @@ def test_transposed_keeps_values_names_and_ties_and_computes_what_row_major_does
     logits = model(ids).logits
     assert resolve_layout("transposed", "cpu", torch.float32) == "transposed"
     set_linear_layout(model, "transposed")
-    assert linear_layout(model) == "transposed" and isinstance(model.lm_head, TransposedLinear)
+    assert linear_layout(model) == "transposed" and isinstance(model.lm_head, PlannedLinear)
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_contiguous()
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
     layer = copy.deepcopy(model.model.layers[0].mlp.up_proj)
-    assert isinstance(layer, TransposedLinear)
+    assert isinstance(layer, PlannedLinear) and layer.layout == "transposed"
     x = torch.randn(2, 3, layer.in_features)
     out = layer(x)
     assert out.shape == (2, 3, layer.out_features) and out.is_contiguous()
@@ -85,7 +88,7 @@ def test_transposed_keeps_values_names_and_ties_and_computes_what_row_major_does
 
 def test_load_target_applies_the_layout(tiny_model_dir):
     assert linear_layout(load_target(str(tiny_model_dir))[0]) == "row"  # training's default: as loaded
-    assert linear_layout(load_target(str(tiny_model_dir), weight_layout="auto")[0]) == "column"
+    assert linear_layout(load_target(str(tiny_model_dir), weight_layout="auto")[0]) == "measured"
     bf16_auto = linear_layout(load_target(str(tiny_model_dir), dtype="bf16", weight_layout="auto")[0])
     assert bf16_auto == ("packed" if gemm_layout.cpu_has_native_bf16() and packing_available() else "row")
 
@@ -103,7 +106,7 @@ def test_packed_keeps_values_names_and_ties_and_computes_what_row_major_does():
     with torch.inference_mode():
         want = [model(ids[:, :n]).logits for n in (1, 3, 8)]  # one row, a few, a tree's worth
     set_linear_layout(model, "packed")
-    assert linear_layout(model) == "packed" and isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    assert linear_layout(model) == "packed" and isinstance(model.model.layers[0].mlp.up_proj, PlannedLinear)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tied parameter
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
@@ -122,7 +125,7 @@ def test_packed_keeps_values_names_and_ties_and_computes_what_row_major_does():
 def test_packed_layers_take_the_plain_product_for_anything_but_bf16_inference_on_cpu():
     layer = set_linear_layout(torch.nn.Sequential(torch.nn.Linear(16, 8).to(torch.bfloat16)), "packed")[0]
     x = torch.randn(3, 16)
-    assert isinstance(layer, PackedLinear)
+    assert isinstance(layer, PlannedLinear)
     fp32 = copy.deepcopy(layer).float()  # e.g. --fp32-head's copy of the LM head
     assert "packed_weight" not in fp32.__dict__  # no stale bf16 copy kept beside fp32 weights
     torch.testing.assert_close(fp32(x), torch.nn.functional.linear(x, fp32.weight, fp32.bias), rtol=0, atol=0)
@@ -134,7 +137,6 @@ def test_packed_layers_take_the_plain_product_for_anything_but_bf16_inference_on
     with torch.inference_mode():
         torch.testing.assert_close(layer(strided), layer(strided.contiguous()), rtol=0, atol=0)
         torch.testing.assert_close(layer(strided), torch.nn.functional.linear(strided, layer.weight, layer.bias))
-    assert linear_layout(set_linear_layout(torch.nn.Linear(4, 4), "packed")) == "row"  # fp32 layers stay plain
 
 
 @needs_packing
@@ -147,13 +149,64 @@ def test_load_target_packs_bf16_on_request(tiny_model_dir):
 def test_plain_linears_runs_packed_and_transposed_layers_as_plain_ones_and_restores_them():
     model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval().to(torch.bfloat16)
     set_linear_layout(model, "packed")
-    model.model.layers[1].mlp.up_proj.__class__ = TransposedLinear  # a mixed model: both kinds come back
+    set_linear_layout(model.model.layers[1], "transposed")  # a mixed model: both come back
     ids = torch.tensor([[5, 9, 2, 7]])
     with torch.inference_mode():
         packed = model(ids).logits
         with gemm_layout.plain_linears(model):
             assert {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
             plain = model(ids).logits
-    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
-    assert isinstance(model.model.layers[1].mlp.up_proj, TransposedLinear)
+    assert model.model.layers[0].mlp.up_proj.layout == "packed"
+    assert model.model.layers[1].mlp.up_proj.layout == "transposed"
     torch.testing.assert_close(plain, packed)  # the same weights: products within bf16's own rounding
+
+
+@pytest.mark.skipif(not packing_available(torch.float32), reason="oneDNN packs no fp32 weights on this CPU")
+def test_every_kernel_a_plan_can_pick_computes_the_product_and_keeps_the_weights(monkeypatch):
+    """Each plan the measurement can choose (every bucket on one kernel, and a mixed one) runs every row count, with
+    and without a bias, to F.linear's product up to fp32 GEMM rounding; weights, names and ties are untouched."""
+    config = tiny_config("llama")
+    config.tie_word_embeddings = True
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1, 4, 6]])
+    mixed = ("packed", "transposed", "row", "packed", "transposed", "row", "packed")
+    for plan in [(k,) * len(BUCKETS) for k in ("row", "transposed", "packed")] + [mixed]:
+        monkeypatch.setattr(gemm_layout.gemm_choice, "plans", lambda shapes, dtype, p=plan: {s: p for s in shapes})
+        model = AutoModelForCausalLM.from_config(config).eval()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.inference_mode():
+            want = [model(ids[:, :n]).logits for n in (1, 3, 10)]
+            set_linear_layout(model, "measured")
+            assert linear_layout(model) == "measured" and set(layout_plans(model).values()) == {plan}
+            assert model.lm_head.weight is model.model.embed_tokens.weight
+            assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            for n, logits in zip((1, 3, 10), want):
+                torch.testing.assert_close(model(ids[:, :n]).logits, logits, rtol=1e-4, atol=1e-4)  # fp32 rounding
+            biased = set_linear_layout(torch.nn.Linear(8, 5), "measured")
+            for rows in (1, 3, 70):
+                x = torch.randn(rows, 8)
+                torch.testing.assert_close(biased(x), torch.nn.functional.linear(x, biased.weight, biased.bias))
+        assert ("packed_weight" in model.lm_head.__dict__) == ("packed" in plan)  # a copy only where a plan uses it
+
+
+def test_a_packed_copy_is_made_at_the_first_product_that_needs_it_and_dropped_when_the_weight_moves(monkeypatch):
+    if not packing_available(torch.float32):
+        pytest.skip("oneDNN packs no fp32 weights on this CPU")
+    monkeypatch.setattr(gemm_layout.gemm_choice, "plans",
+                        lambda shapes, dtype: {s: ("packed",) * len(BUCKETS) for s in shapes})
+    model = set_linear_layout(AutoModelForCausalLM.from_config(tiny_config("llama")).eval(), "measured")
+    layer = model.model.layers[0].mlp.up_proj
+    assert "packed_weight" not in layer.__dict__  # layers never called cost no memory
+    x = torch.randn(2, layer.in_features)
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(x, layer.weight)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+        assert "packed_weight" in layer.__dict__
+        model.to(torch.float32)  # no change: the copy stays
+        assert "packed_weight" in layer.__dict__
+        model.to(torch.bfloat16)  # cast: the fp32 copy is stale and goes; bf16 packs its own where oneDNN can
+        assert "packed_weight" not in layer.__dict__
+        xb = x.to(torch.bfloat16)
+        torch.testing.assert_close(layer(xb), torch.nn.functional.linear(xb, layer.weight))
+        with torch.no_grad():
+            layer.weight.data = torch.randn_like(layer.weight)  # a replaced weight is packed again
+        torch.testing.assert_close(layer(xb), torch.nn.functional.linear(xb, layer.weight))

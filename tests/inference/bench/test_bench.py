@@ -16,7 +16,7 @@ import specheads.inference.bench.runner as bench
 import specheads.inference.engine.engine as engine_mod
 import specheads.target
 from specheads.draft_models import vocab_size
-from specheads.gemm_layout import PackedLinear, packing_available, set_linear_layout
+from specheads.gemm_layout import PlannedLinear, packing_available, set_linear_layout
 from specheads.heads.checkpoint import TargetInfo, save_drafter
 from specheads.heads.medusa import MedusaConfig, MedusaHeads
 from specheads.inference.bench.method_spec import parse_methods
@@ -427,15 +427,17 @@ def test_the_warm_up_is_short_and_discarded_and_every_question_then_gets_the_ful
     assert [r.question_id for r in records] == [1, 2]
 
 
-@pytest.mark.skipif(not packing_available(), reason="oneDNN bf16 packing is not available on this CPU")
-def test_hf_static_runs_on_a_packed_bf16_target():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_static_runs_on_a_packed_target(dtype):
     # torch.compile cannot trace oneDNN's packed weights: the runner must hand it plain layers, and leave them packed
-    model = set_linear_layout(tiny_model().to(torch.bfloat16), "packed")
+    if not packing_available(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
+    model = set_linear_layout(tiny_model().to(dtype), "packed")
     runner = bench._HFStaticGenerate(model)
     runner.reserve(40)
     new, stats = runner.generate(list(range(3, 20)), max_new_tokens=8, sampling=SamplingParams(), stop_token_ids=[])
     assert len(new) == 8 and stats.new_tokens == 8
-    assert isinstance(model.model.layers[0].mlp.up_proj, PackedLinear)
+    assert isinstance(model.model.layers[0].mlp.up_proj, PlannedLinear)
 
 
 def test_a_method_runs_compiled_or_not_whatever_the_runs_flag():

@@ -95,7 +95,7 @@ def test_rows_decode_through_the_lean_forward_as_each_would_alone():
 def test_packed_bf16_weights_stay_packed_in_the_fused_products():
     model = set_linear_layout(tiny_model().to(torch.bfloat16), "packed")
     lean = lean_forward(model)
-    assert type(lean.layers[0].qkv).__name__ == type(lean.layers[0].gate_up).__name__ == "PackedLinear"
+    assert type(lean.layers[0].qkv).__name__ == type(lean.layers[0].gate_up).__name__ == "PlannedLinear"
     prompt = torch.tensor(repetitive_prompt(12))
     (hf,), _ = _forwards(model, None, [prompt.tolist()], [TREE])
     (got,), _ = _forwards(model, lean, [prompt.tolist()], [TREE])
