@@ -13,6 +13,13 @@ a seeded sampling run, depend on machine load. The probabilities are the propose
 estimates (`DraftTree.accept_probs`: EAGLE's draft scores, prompt lookup's measured hit rates), which
 are skewed; `Calibration` corrects them with what the target actually accepted in earlier steps.
 Which nodes are verified never changes which tokens are accepted, so outputs stay exact.
+
+A drafter whose trees the budget keeps nothing of costs its forward for nothing. After SKIP_AFTER such steps in a
+row, `WithNodeBudget` stops asking the drafter and steps plainly (the root alone, which every proposer takes: the
+engine's own plain steps never call `propose`) for a wait that doubles while its probes still keep nothing (1, 2,
+4, ... up to MAX_WAIT steps), and drafts again at once when a probe keeps a node. Over a request where no tree pays,
+that is a plain decode with one draft every MAX_WAIT + 1 steps; where trees pay again (a stretch of repeated text),
+speculation is back within the wait.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.options import NODE_BUDGETS, check_node_budget
 from specheads.inference.proposers.verify_cost import VerifyCost, VerifyCosts
+
+SKIP_AFTER = 4  # steps in a row whose tree the budget kept nothing of, before the drafter is left out
+MAX_WAIT = 16  # most steps decoded plainly between two probes
 
 # Calibration bins over estimated acceptance probability: finer at the low end, where most nodes sit.
 _EDGES = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0], dtype=torch.float64)
@@ -172,13 +182,16 @@ def with_node_budget(proposer: Proposer, budget: NodeBudget | None) -> Proposer:
 
 
 class WithNodeBudget:
-    """`inner`'s trees pruned by `budget`."""
+    """`inner`'s trees pruned by `budget`; no draft asked for while the budget keeps nothing (see the module doc)."""
 
     def __init__(self, inner: Proposer, budget: NodeBudget) -> None:
         self.inner = inner
         self.budget = budget
         self.needs_target_hidden = inner.needs_target_hidden
         self._verified: DraftTree | None = None
+        self._idle = 0  # steps in a row whose tree kept no drafted node
+        self._wait = 1  # plain steps before the next probe, once idle
+        self._skip = 0  # plain steps left before the drafter is asked again
 
     def fork(self) -> WithNodeBudget:  # the budget (this machine's costs, the drafter's calibration) is shared
         return WithNodeBudget(fork(self.inner), self.budget)
@@ -191,24 +204,51 @@ class WithNodeBudget:
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self._verified = None
+        self._idle, self._wait, self._skip = 0, 1, 0
         self.inner.start(ctx, target_hidden)
 
     def propose(self, ctx: ProposalContext) -> DraftTree:
-        self._verified = self.budget.choose(self.inner.propose(ctx).truncated(ctx.max_depth), ctx.batch)
-        return self._verified
+        if self._skipping():
+            return DraftTree.root_only(ctx.tokens[-1])
+        return self._kept(self.budget.choose(self.inner.propose(ctx).truncated(ctx.max_depth), ctx.batch))
 
     @staticmethod
     def propose_many(rows: Sequence[WithNodeBudget], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
-        """The rows' trees, chosen together when they share a budget (forks do): they pad one verify forward."""
-        trees = [t.truncated(c.max_depth) for t, c in zip(propose_rows([r.inner for r in rows], ctxs), ctxs)]
-        budget = rows[0].budget
-        if all(r.budget is budget for r in rows):
-            trees = budget.choose_rows(trees, max(c.batch for c in ctxs))
+        """The rows' trees, chosen together when they share a budget (forks do): they pad one verify forward. Rows
+        waiting out an idle stretch step plainly without drafting."""
+        trees = [DraftTree.root_only(c.tokens[-1]) if r._skipping() else None for r, c in zip(rows, ctxs)]
+        asked = [i for i, tree in enumerate(trees) if tree is None]
+        if not asked:
+            return trees
+        drafted = propose_rows([rows[i].inner for i in asked], [ctxs[i] for i in asked])
+        drafted = [t.truncated(ctxs[i].max_depth) for i, t in zip(asked, drafted)]
+        budget = rows[asked[0]].budget
+        if all(rows[i].budget is budget for i in asked):
+            drafted = budget.choose_rows(drafted, max(c.batch for c in ctxs))
         else:
-            trees = [r.budget.choose(t, c.batch) for r, t, c in zip(rows, trees, ctxs)]
-        for r, tree in zip(rows, trees):
-            r._verified = tree
+            drafted = [rows[i].budget.choose(t, ctxs[i].batch) for i, t in zip(asked, drafted)]
+        for i, tree in zip(asked, drafted):
+            trees[i] = rows[i]._kept(tree)
         return trees
+
+    def _skipping(self) -> bool:
+        """Whether this step is one of an idle stretch's plain steps (counted off here)."""
+        if self._skip == 0:
+            return False
+        self._skip -= 1
+        self._verified = None
+        return True
+
+    def _kept(self, tree: DraftTree) -> DraftTree:
+        """`tree` as chosen, after counting whether it kept a drafted node (the idle stretch's bookkeeping)."""
+        self._verified = tree
+        if tree.size > 1:
+            self._idle, self._wait = 0, 1
+        else:
+            self._idle += 1
+            if self._idle >= SKIP_AFTER:  # idle long enough: wait, then probe (one more idle probe waits longer)
+                self._skip, self._wait, self._idle = self._wait, min(2 * self._wait, MAX_WAIT), SKIP_AFTER - 1
+        return tree
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         if self._verified is not None:

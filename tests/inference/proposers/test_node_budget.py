@@ -288,3 +288,58 @@ def test_training_measures_whole_trees_of_the_heads_alone():
     for kind in ("eagle", "medusa"):
         options = METHODS.get(kind).heads_alone(".")
         assert (options.lookup, options.node_budget) == (0, "fixed")
+
+
+class Unsure:
+    """A drafter whose guesses the budget never finds worth a verify (until `sure` is set): counts its forwards."""
+
+    needs_target_hidden = False
+
+    def __init__(self) -> None:
+        self.calls, self.sure = 0, False
+
+    def start(self, ctx, target_hidden) -> None:
+        pass
+
+    def on_verified(self, result, target_hidden) -> None:
+        pass
+
+    def propose(self, ctx) -> DraftTree:
+        self.calls += 1
+        p = 0.99 if self.sure else 0.01
+        return DraftTree(tokens=torch.tensor([int(ctx.tokens[-1]), 7, 8]), parents=torch.tensor([-1, 0, 0]),
+                         accept_probs=torch.tensor([1.0, p, p], dtype=torch.float64))
+
+
+def test_the_drafter_is_left_out_while_the_budget_keeps_nothing_and_asked_again_after_a_wait(target):
+    from specheads.inference.proposers import node_budget as budget_mod
+
+    drafter = Unsure()
+    proposer = WithNodeBudget(drafter, NodeBudget(STEEP, calibrate=False))
+    prompt = repetitive_prompt()
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=60).output_ids
+    res = Engine(target, proposer).generate(prompt, max_new_tokens=60)
+    assert res.output_ids == plain  # plain steps are exact like any other
+    # 4 idle drafts, then probes after waits of 1, 2, 4, 8, 16, 16 plain steps: far fewer forwards than steps
+    idle = budget_mod.SKIP_AFTER
+    steps, calls = idle, idle
+    wait = 1
+    while steps + wait + 1 <= 60:
+        steps, calls, wait = steps + wait + 1, calls + 1, min(2 * wait, budget_mod.MAX_WAIT)
+    assert drafter.calls == calls and drafter.calls < 15
+    drafter.sure = True  # the drafter turns useful: the next probe keeps its node and drafting resumes every step
+    ctx = start_proposer(proposer, target, prompt)
+    assert [proposer.propose(ctx).size for _ in range(3)] == [3, 3, 3] and drafter.calls == calls + 3
+
+
+def test_rows_waiting_out_an_idle_stretch_step_plainly_and_a_row_that_drafts_carries_the_others(target):
+    budget = NodeBudget(STEEP, calibrate=False)
+    rows = [WithNodeBudget(Unsure(), budget), WithNodeBudget(Unsure(), budget)]
+    prompt = repetitive_prompt()
+    ctxs = [start_proposer(r, target, prompt) for r in rows]
+    sizes = [[t.size for t in WithNodeBudget.propose_many(rows, ctxs)] for _ in range(8)]
+    assert sizes[:4] == [[1, 1]] * 4 and [r.inner.calls for r in rows] == [5, 5]  # 4 idle, a wait of 1, a probe
+    rows[1].inner.sure = True
+    sizes = [[t.size for t in WithNodeBudget.propose_many(rows, ctxs)] for _ in range(6)]
+    # once the sure row probes, it drafts every step, and the width it pays for carries the other row's nodes too
+    assert sizes[-1] == [3, 3] and rows[0]._skip == 0
