@@ -154,6 +154,12 @@ def plans(shapes: Iterable[Shape], dtype: torch.dtype, cache_dir: Path | None = 
     return {s: _plans[key, s] for s in wanted}
 
 
+def known(dtype: torch.dtype) -> dict[Shape, Plan]:
+    """Every plan this process runs for `dtype` on this machine (the shapes its layers have asked for)."""
+    key = machine_key(dtype)
+    return {shape: plan for (k, shape), plan in _plans.items() if k == key}
+
+
 def describe(plan_of: dict[Shape, Plan]) -> str:
     """The plans in words, one shape per line: "576x1536: 1 packed, 2-4 transposed, 8-64 packed"."""
     lines = []

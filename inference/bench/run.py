@@ -21,8 +21,8 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specheads.gemm_choice import describe
-from specheads.gemm_layout import layout_plans, linear_layout
+from specheads.gemm_choice import describe, known
+from specheads.gemm_layout import linear_layout
 from specheads.inference.bench import report as bench_report
 from specheads.inference.bench.divergence import attach_margins
 from specheads.inference.bench.report import BenchReport
@@ -64,12 +64,14 @@ def run_config(settings: dict) -> dict:
 
 def machine(model: PreTrainedModel) -> dict:
     """Where the run ran, for config.json and summary.md: the CPU and the flags that choose its kernels, the threads,
-    the target's weight layout and, where products run on measured kernels, which kernel each weight shape took at
-    each row count."""
+    the target's weight layout and, where products run on measured kernels, which kernel each weight shape (the
+    target's, its lean forward's fused ones, the drafters') takes at each row count. Call it once the runners are
+    built."""
     device = next(model.parameters()).device
+    layout = linear_layout(model)
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
-            "cpu_flags": vector_flags(), "threads": torch.get_num_threads(), "weight_layout": linear_layout(model),
-            "kernels": describe(layout_plans(model)).splitlines()}
+            "cpu_flags": vector_flags(), "threads": torch.get_num_threads(), "weight_layout": layout,
+            "kernels": describe(known(model.dtype)).splitlines() if layout == "measured" else []}
 
 
 def collect(runners: dict[str, Runner], tokenizer: PreTrainedTokenizerBase, questions: Sequence[Question], *,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Iterable
 
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [train.NAME]:
         return train.run(argv[1:])
+    # OpenMP threads that wait by sleeping, not spinning (unless the user chose otherwise), set before torch loads its
+    # OpenMP runtime: beside another busy process a spinning thread that lost its core stalls every product, and a
+    # two-thread step on a 2-core CPU took 2.0-2.4x its idle time where sleeping threads took 1.2x
+    # (scripts/lab/bench_threads.py, docs/results.md 2026-12-05). Training keeps OpenMP's own default.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Only -v/-h come before the subcommand, so the first item that names one is it.
     parser = _parser([next((a for a in argv if a in COMMANDS), "")])
     args = parser.parse_args(argv)

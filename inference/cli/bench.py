@@ -83,10 +83,10 @@ def run(args: argparse.Namespace) -> None:
 
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = shared.load_model(args)
-    config["machine"] = bench_run.machine(model)
-    print(bench_report.machine_text(config["machine"]), file=sys.stderr)
     runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose,
                             step=args.step, compile=args.compile, tokenizer=tokenizer, target_name=args.target)
+    config["machine"] = bench_run.machine(model)
+    print(bench_report.machine_text(config["machine"]), file=sys.stderr)
 
     # 3. Run, then report; in greedy runs every divergence from ar gets the fp32 margin at which it happened.
     try:

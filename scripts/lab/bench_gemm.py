@@ -1,4 +1,5 @@
-"""Few-row products of the default target's weight shapes, by how the product is written, with cold weights.
+"""Few-row products of the default target's weight shapes (as the lean forward fuses them), by how the product is
+written, with cold weights.
 
     .venv/bin/python scripts/lab/bench_gemm.py [--target default] [--rows 1,4,16] [--reps 5]
 
@@ -34,11 +35,13 @@ COLD_BYTES = 256 * 2**20  # cycle through at least this many bytes of copies: fa
 
 
 def shapes(config) -> dict[str, tuple[int, int]]:
-    """(out, in) of each distinct weight matrix of a Llama-style decoder layer, and the LM head."""
+    """(out, in) of each distinct weight matrix the engine's lean forward multiplies (q/k/v and gate/up fused), and
+    the LM head."""
     c = config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return {"q/o": (c.hidden_size, c.hidden_size), "k/v": (c.num_key_value_heads * head_dim, c.hidden_size),
-            "gate/up": (c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
+    kv = c.num_key_value_heads * head_dim
+    return {"qkv": (c.num_attention_heads * head_dim + 2 * kv, c.hidden_size), "o": (c.hidden_size, c.hidden_size),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
             "lm_head": (c.vocab_size, c.hidden_size)}
 
 

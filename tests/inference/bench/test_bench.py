@@ -11,6 +11,7 @@ import statistics
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from transformers import AutoConfig
 
 import specheads.inference.bench.runner as bench
 import specheads.inference.engine.engine as engine_mod
@@ -126,7 +127,13 @@ def test_training_free_methods_run_and_report(tiny_model_dir, questions_file, tm
     for name in PLOTS:
         data = (out_dir / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000, name
-    assert json.loads((out_dir / "config.json").read_text())["turns"] == 2
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["turns"] == 2
+    # where it ran: fp32 on CPU multiplies on measured kernels, the lean forward's fused gate/up product among them
+    machine, c = config["machine"], AutoConfig.from_pretrained(tiny_model_dir)
+    assert machine["weight_layout"] == "measured" and machine["threads"] == torch.get_num_threads()
+    assert f"{2 * c.intermediate_size}x{c.hidden_size}" in {line.split(":")[0] for line in machine["kernels"]}
+    assert "## Machine" in md and "products by measured kernel" in err
 
 
 def test_hf_static_parses_and_takes_no_argument():

@@ -266,3 +266,16 @@ def test_train_after_another_argument_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["-v", "train"])
     assert stop.value.code == 2 and "put train first" in capsys.readouterr().err
+
+
+def test_inference_commands_make_openmp_threads_sleep_unless_the_user_chose(monkeypatch, capsys):
+    import os
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
