@@ -86,10 +86,16 @@ def markdown_table(summaries: list[MethodSummary], *, with_category: bool = Fals
 
 
 def machine_text(machine: dict) -> str:
-    """`run.machine`'s record in words: the device, its kernel-choosing flags and threads, then the kernel plans."""
+    """`run.machine`'s record in words: the device, its kernel-choosing flags and threads, the kernel plans, and the
+    verify cost curve the node budget read (once the run has one)."""
     lines = [f"{machine['device']} ({machine['threads']} threads; flags: {machine['cpu_flags']}); weights "
              f"{machine['weight_layout']}" + (", products by measured kernel:" if machine["kernels"] else "")]
-    return "\n".join(lines + [f"- {line}" for line in machine["kernels"]])
+    lines += [f"- {line}" for line in machine["kernels"]]
+    if cost := machine.get("verify_cost"):
+        steps = ", ".join(f"{n} nodes {r:.2f}x" for n, r in zip(cost["nodes"], cost["relative"]) if n > 1)
+        lines.append(f"\nVerify cost the node budget read (one-token step {cost['one_step_ms']} ms, measured "
+                     f"{cost['measured'] or 'before dates were kept'}): {steps}")
+    return "\n".join(lines)
 
 
 def summary_markdown(report: BenchReport) -> str:

@@ -27,6 +27,7 @@ from specheads.inference.bench import report as bench_report
 from specheads.inference.bench.divergence import attach_margins
 from specheads.inference.bench.report import BenchReport
 from specheads.inference.bench.runner import Record, Runner, mark_exactness, run_bench
+from specheads.inference.proposers.verify_cost import cached_verify_cost
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.machine import cpu_name, vector_flags
 from specheads.questions import Question
@@ -72,6 +73,19 @@ def machine(model: PreTrainedModel) -> dict:
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "cpu_flags": vector_flags(), "threads": torch.get_num_threads(), "weight_layout": layout,
             "kernels": describe(known(model.dtype)).splitlines() if layout == "measured" else []}
+
+
+def verify_cost_used(model: PreTrainedModel) -> dict | None:
+    """The one-row verify cost curve the node budget read in this run (this machine's cached one; None where no
+    method measured one), as relative costs by node count with the time it was measured, for config.json."""
+    cached = cached_verify_cost(model)
+    if cached is None:
+        return None
+    cost, measured_at = cached
+    return {"nodes": list(cost.nodes), "relative": [round(cost.relative(n), 3) for n in cost.nodes],
+            "one_step_ms": round(cost.seconds[0] * 1000, 1),
+            "measured": None if measured_at is None else
+            datetime.datetime.fromtimestamp(measured_at).isoformat(timespec="seconds")}
 
 
 def collect(runners: dict[str, Runner], tokenizer: PreTrainedTokenizerBase, questions: Sequence[Question], *,

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> None:
             stop_token_ids=stop_token_ids(tokenizer, model), turns=args.turns, warmup=args.warmup)
     finally:
         close_runners(runners)  # llama.cpp's servers
+    config["machine"]["verify_cost"] = bench_run.verify_cost_used(model)
     if interrupted:
         print(f"interrupted: reporting the {len(records)} generations that finished", file=sys.stderr)
     done = bench_run.finish(

@@ -138,8 +138,7 @@ DRIFT = 1.3
 def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, batch: int = 1, **measure) -> VerifyCost:
     """The model's verify cost on this machine at `batch` rows: read from the cache (checked against a quick
     measurement, and aged out after `MAX_AGE_S`), or measured (a few seconds) and cached."""
-    name = machine_key(model) + (f"-batch{batch}" if batch > 1 else "")
-    path = (cache_dir or default_cache_dir()) / f"{name}.json"
+    path = _cache_path(model, cache_dir, batch)
     cached, why = _cached(path), "once"
     if cached is not None:
         cost, measured_at = cached
@@ -158,6 +157,18 @@ def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, batch: in
     tmp.write_text(json.dumps({**asdict(cost), "measured_at": time.time()}), encoding="utf-8")
     tmp.replace(path)
     return cost
+
+
+def _cache_path(model: PreTrainedModel, cache_dir: Path | None, batch: int) -> Path:
+    name = machine_key(model) + (f"-batch{batch}" if batch > 1 else "")
+    return (cache_dir or default_cache_dir()) / f"{name}.json"
+
+
+def cached_verify_cost(model: PreTrainedModel, batch: int = 1,
+                       cache_dir: Path | None = None) -> tuple[VerifyCost, float | None] | None:
+    """The curve this machine has cached for `model` at `batch` rows, and when it was measured (None: none cached);
+    measures nothing, for reports of what a run used."""
+    return _cached(_cache_path(model, cache_dir, batch))
 
 
 def _cached(path: Path) -> tuple[VerifyCost, float | None] | None:

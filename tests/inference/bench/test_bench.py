@@ -134,6 +134,9 @@ def test_training_free_methods_run_and_report(tiny_model_dir, questions_file, tm
     assert machine["weight_layout"] == "measured" and machine["threads"] == torch.get_num_threads()
     assert f"{2 * c.intermediate_size}x{c.hidden_size}" in {line.split(":")[0] for line in machine["kernels"]}
     assert "## Machine" in md and "products by measured kernel" in err
+    cost = machine["verify_cost"]  # ngram's node budget read this machine's curve: the run says which
+    assert cost["nodes"][0] == 1 and cost["relative"][0] == 1.0 and cost["one_step_ms"] > 0 and cost["measured"]
+    assert "Verify cost the node budget read" in md
 
 
 def test_hf_static_parses_and_takes_no_argument():
