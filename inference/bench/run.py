@@ -27,8 +27,8 @@ from specheads.inference.bench import report as bench_report
 from specheads.inference.bench.divergence import attach_margins
 from specheads.inference.bench.report import BenchReport
 from specheads.inference.bench.runner import Record, Runner, mark_exactness, run_bench
-from specheads.inference.proposers.verify_cost import cached_verify_cost
 from specheads.inference.engine.sampling import SamplingParams
+from specheads.inference.proposers.verify_cost import cached_verify_cost
 from specheads.machine import cpu_name, vector_flags
 from specheads.questions import Question
 
