@@ -14,10 +14,11 @@ estimates (`DraftTree.accept_probs`: EAGLE's draft scores, prompt lookup's measu
 are skewed; `Calibration` corrects them with what the target actually accepted in earlier steps.
 Which nodes are verified never changes which tokens are accepted, so outputs stay exact.
 
-A drafter whose trees the budget keeps nothing of costs its forward for nothing. After SKIP_AFTER such steps in a
-row, `WithNodeBudget` stops asking the drafter and steps plainly (the root alone, which every proposer takes: the
-engine's own plain steps never call `propose`) for a wait that doubles while its probes still keep nothing (1, 2,
-4, ... up to MAX_WAIT steps), and drafts again at once when a probe keeps a node. Over a request where no tree pays,
+A drafter whose trees the budget keeps nothing of costs its forward for nothing. After SKIP_AFTER steps in a row
+whose draft the budget cut down to the root (steps where the drafter proposed nothing do not count), `WithNodeBudget`
+stops asking the drafter and steps plainly (the root alone, which every proposer takes: the engine's own plain steps
+never call `propose`) for a wait that doubles while its probes still keep nothing (1, 2, 4, ... up to MAX_WAIT
+steps), and drafts again at once when a probe keeps a node. Over a request where no tree pays,
 that is a plain decode with one draft every MAX_WAIT + 1 steps; where trees pay again (a stretch of repeated text),
 speculation is back within the wait.
 """
@@ -210,7 +211,8 @@ class WithNodeBudget:
     def propose(self, ctx: ProposalContext) -> DraftTree:
         if self._skipping():
             return DraftTree.root_only(ctx.tokens[-1])
-        return self._kept(self.budget.choose(self.inner.propose(ctx).truncated(ctx.max_depth), ctx.batch))
+        drafted = self.inner.propose(ctx).truncated(ctx.max_depth)
+        return self._kept(drafted, self.budget.choose(drafted, ctx.batch))
 
     @staticmethod
     def propose_many(rows: Sequence[WithNodeBudget], ctxs: Sequence[ProposalContext]) -> list[DraftTree]:
@@ -224,11 +226,11 @@ class WithNodeBudget:
         drafted = [t.truncated(ctxs[i].max_depth) for i, t in zip(asked, drafted)]
         budget = rows[asked[0]].budget
         if all(rows[i].budget is budget for i in asked):
-            drafted = budget.choose_rows(drafted, max(c.batch for c in ctxs))
+            chosen = budget.choose_rows(drafted, max(c.batch for c in ctxs))
         else:
-            drafted = [rows[i].budget.choose(t, ctxs[i].batch) for i, t in zip(asked, drafted)]
-        for i, tree in zip(asked, drafted):
-            trees[i] = rows[i]._kept(tree)
+            chosen = [rows[i].budget.choose(t, ctxs[i].batch) for i, t in zip(asked, drafted)]
+        for i, tree, kept in zip(asked, drafted, chosen):
+            trees[i] = rows[i]._kept(tree, kept)
         return trees
 
     def _skipping(self) -> bool:
@@ -239,16 +241,18 @@ class WithNodeBudget:
         self._verified = None
         return True
 
-    def _kept(self, tree: DraftTree) -> DraftTree:
-        """`tree` as chosen, after counting whether it kept a drafted node (the idle stretch's bookkeeping)."""
-        self._verified = tree
-        if tree.size > 1:
+    def _kept(self, drafted: DraftTree, kept: DraftTree) -> DraftTree:
+        """`kept` (the budget's choice of `drafted`), after counting whether the budget cut a draft down to the root
+        (the idle stretch's bookkeeping). A drafter that proposed nothing (a lookup without a match) is not idle in
+        this sense: its forward, if any, found nothing to pay for, and skipping it would miss the next match."""
+        self._verified = kept
+        if kept.size > 1:
             self._idle, self._wait = 0, 1
-        else:
+        elif drafted.size > 1:
             self._idle += 1
             if self._idle >= SKIP_AFTER:  # idle long enough: wait, then probe (one more idle probe waits longer)
                 self._skip, self._wait, self._idle = self._wait, min(2 * self._wait, MAX_WAIT), SKIP_AFTER - 1
-        return tree
+        return kept
 
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         if self._verified is not None:

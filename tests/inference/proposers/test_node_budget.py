@@ -343,3 +343,14 @@ def test_rows_waiting_out_an_idle_stretch_step_plainly_and_a_row_that_drafts_car
     sizes = [[t.size for t in WithNodeBudget.propose_many(rows, ctxs)] for _ in range(6)]
     # once the sure row probes, it drafts every step, and the width it pays for carries the other row's nodes too
     assert sizes[-1] == [3, 3] and rows[0]._skip == 0
+
+
+def test_a_drafter_that_proposes_nothing_is_still_asked_every_step(target):
+    class NoMatch(Unsure):  # a lookup without a match: nothing drafted, nothing for the budget to cut
+        def propose(self, ctx) -> DraftTree:
+            self.calls += 1
+            return DraftTree.root_only(ctx.tokens[-1])
+
+    proposer = WithNodeBudget(NoMatch(), NodeBudget(STEEP, calibrate=False))
+    ctx = start_proposer(proposer, target, repetitive_prompt())
+    assert [proposer.propose(ctx).size for _ in range(12)] == [1] * 12 and proposer.inner.calls == 12
