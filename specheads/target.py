@@ -201,8 +201,9 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the frozen target and its tokenizer, in eval mode with gradients off.
 
-    `weight_layout` (see `gemm_layout.py`): "auto" stores linear weights column-major where that makes
-    the few-row GEMMs of tree verification faster (fp32 on CPU); the default keeps them as loaded.
+    `weight_layout` (see `gemm_layout.py`): "auto" runs each linear product on the kernel measured fastest on this
+    machine for its shape and row count (fp32 on CPU; oneDNN-packed bf16 on a CPU with native bf16); the default
+    keeps the weights as loaded.
     `fp32_head` (see `fp32_head.py`): a bf16/fp16 target computes its final norm and LM head in fp32.
     `adapter` (see `adapter.py`): a LoRA adapter folder merged into the weights, so the target loaded is the adapted
     one (a plain model; the output stays exact with respect to it).
