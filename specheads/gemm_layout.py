@@ -24,8 +24,8 @@ Layouts:
   (`gemm_choice.plans`; measured once per machine and cached);
 - "auto": measured for fp32 on CPU, packed for bf16 on a CPU with native bf16, row elsewhere (cuBLAS is fastest with
   the row-major weights it was tuned for).
-The packed copies are one more copy of the weights they pack in memory ("measured" keeps one only for shapes where
-packing wins at some row count).
+The packed copies are one more copy of the weights they pack in memory, made at a layer's first product that runs
+on one (under "measured", only where packing wins at a row count the forward uses).
 """
 
 from __future__ import annotations

@@ -33,6 +33,15 @@ def cpu_flags() -> tuple[str, ...]:
     return ()
 
 
+def hardware_name(device) -> str:
+    """The GPU's name for a CUDA `device` (a torch.device), else the CPU's."""
+    if device.type != "cuda":
+        return cpu_name()
+    import torch  # only for a CUDA device: this module stays free of torch (llama.cpp's build reads it)
+
+    return torch.cuda.get_device_name(device)
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slower
     than fp32."""

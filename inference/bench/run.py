@@ -29,7 +29,7 @@ from specheads.inference.bench.report import BenchReport
 from specheads.inference.bench.runner import Record, Runner, mark_exactness, run_bench
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.proposers.verify_cost import cached_verify_cost
-from specheads.machine import cpu_name, vector_flags
+from specheads.machine import hardware_name, vector_flags
 from specheads.questions import Question
 
 
@@ -70,7 +70,7 @@ def machine(model: PreTrainedModel) -> dict:
     built."""
     device = next(model.parameters()).device
     layout = linear_layout(model)
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+    return {"device": hardware_name(device),
             "cpu_flags": vector_flags(), "threads": torch.get_num_threads(), "weight_layout": layout,
             "kernels": describe(known(model.dtype)).splitlines() if layout == "measured" else []}
 

@@ -30,7 +30,7 @@ from specheads.cached import specheads_home
 from specheads.gemm_layout import layout_plans, linear_layout
 from specheads.inference.engine.lean_forward import resolve_step
 from specheads.inference.engine.tree import DraftTree
-from specheads.machine import cpu_name
+from specheads.machine import hardware_name
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def machine_description(model: PreTrainedModel) -> str:
 
 def _setting(model: PreTrainedModel) -> tuple[str, str, str, str]:
     device = next(model.parameters()).device
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    hardware = hardware_name(device)
     return device.type, hardware, str(torch.get_num_threads()), torch.__version__
 
 
