@@ -52,7 +52,7 @@ def test_column_major_keeps_values_names_and_ties():
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tied parameter
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(ids).logits, logits, rtol=1e-4, atol=1e-4)  # fp32 rounding through a whole model
     set_linear_layout(model, "row")
     assert linear_layout(model) == "row" and model.model.layers[0].mlp.up_proj.weight.is_contiguous()
     with pytest.raises(ValueError, match="row, column, packed, transposed, measured, got 'auto'"):
@@ -72,7 +72,7 @@ def test_transposed_keeps_values_names_and_ties_and_computes_what_row_major_does
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.is_contiguous()
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(ids).logits, logits, rtol=1e-4, atol=1e-4)  # fp32 rounding through a whole model
     layer = copy.deepcopy(model.model.layers[0].mlp.up_proj)
     assert isinstance(layer, PlannedLinear) and layer.layout == "transposed"
     x = torch.randn(2, 3, layer.in_features)
