@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import itertools
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specheads import gemm_choice
@@ -147,6 +150,47 @@ def set_linear_layout(module: nn.Module, layout: str) -> nn.Module:
             sub.__class__ = PlannedLinear
             sub.plan, sub.layout = plan, layout
     return module
+
+
+_traced: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # slot -> the PlannedLinear a graph calls
+_slots = itertools.count()
+
+
+# an op defined on the dispatcher directly: torch.library.custom_op's Python wrapper costs about as much again per call,
+# and a step calls this op for every product
+_library = torch.library.Library("specheads", "DEF")
+_library.define("planned_linear(Tensor x, Tensor weight, Tensor? bias, int slot) -> Tensor")
+
+
+def _planned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
+    """x times weightᵀ (+ bias) on the kernels of the PlannedLinear registered at `slot`, whose weight `weight` is;
+    a weight that is not that layer's own (a copy a compiler made, say) runs `F.linear`."""
+    layer = _traced.get(slot)
+    if layer is None or layer.weight.data_ptr() != weight.data_ptr() or layer.weight.shape != weight.shape:
+        return F.linear(x, weight, bias)
+    return layer.forward(x)
+
+
+_library.impl("planned_linear", _planned_linear, "CPU")
+
+
+@torch.library.register_fake("specheads::planned_linear")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def traceable_product(layer: nn.Linear) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """(x, weight, bias) -> x weightᵀ + bias, in a form torch.compile traces, for a graph that holds `layer`'s weight
+    and bias itself: a `PlannedLinear`'s product is one opaque op (`specheads::planned_linear`) that runs the layer's
+    plan when the graph runs, so the graph's products stay on the kernels measured fastest here (inductor would
+    otherwise put them on its own); any other layer's is `F.linear`, which the compiler lowers as it likes."""
+    if not isinstance(layer, PlannedLinear) or layer.weight.device.type != "cpu":
+        return F.linear
+    slot = layer.__dict__.get("traced_slot")
+    if slot is None or _traced.get(slot) is not layer:
+        slot = layer.traced_slot = next(_slots)
+        _traced[slot] = layer
+    return lambda x, weight, bias: torch.ops.specheads.planned_linear(x, weight, bias, slot)
 
 
 @contextlib.contextmanager

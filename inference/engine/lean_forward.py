@@ -17,8 +17,11 @@ goes"). `LeanForward` runs the maths of the HF model's own forward over the engi
    wider forward and a batch of rows may each get their own). The graph reads the rows' committed entries as
    views of the cache, attends over them and the new entries concatenated, and returns the new keys and values,
    which are then written in place: it mutates none of its inputs, and the same code is what CUDA graphs capture
-   on a GPU. On CPU, inductor's freezing takes the weights as constants and reorders them once for its own
-   products, so a step is a few hundred fused kernels and products with no Python between them. The embedding,
+   on a GPU. On CPU, inductor's freezing takes the weights as constants, and the elementwise work between products
+   becomes a few fused kernels per layer. Products of layers in a planned layout (`measured`, `packed`,
+   `transposed`: `gemm_layout.py`) stay on their own kernels through one opaque op each
+   (`specheads::planned_linear`); inductor's own fp32 products (MKL's packed GEMM) read weights at a third of the
+   rate for a tree's few rows (docs/results.md). Products of other layouts are inductor's. The embedding,
    RoPE's tables, the final norm and the LM head stay eager (so `--fp32-head` applies unchanged), and so does a
    row's first prefill, which sizes the cache.
 
@@ -49,7 +52,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
-from specheads.gemm_layout import linear_layout, set_linear_layout
+from specheads.gemm_layout import linear_layout, set_linear_layout, traceable_product
 from specheads.hf import LLAMA_LAYOUT_FAMILIES, decoder_of, text_config
 from specheads.inference.engine.batch_cache import BatchKVCache, batch_tree_mask, causal_mask, committed_then_new_mask
 from specheads.inference.engine.tree import DraftTree
@@ -203,7 +206,7 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q
 class LayerParts(NamedTuple):  # a tuple, which torch.compile traces through as plainly as the eager forward
     """What one decoder layer computes with. The eager forward holds the layer's products as modules (so each weight
     keeps its layout: packed bf16, column-major fp32, ...); the compiled stack builds them from its parameters with
-    `F.linear`, which inductor's freezing folds into the graph as constants."""
+    `gemm_layout.traceable_product` (the layer's own kernels, or `F.linear`), the weights frozen in as constants."""
 
     qkv: Product  # q, k and v in one product
     o: Product
@@ -269,15 +272,18 @@ class _CompiledStack(nn.Module):
     """The decoder layers as one graph for torch.compile: each layer's committed keys and values come in as views of
     the cache and its new ones go out (the caller writes them), so the graph mutates nothing it is given. The
     weights are this module's parameters (the same tensors the eager forward uses), which inductor's freezing folds
-    into the graph as constants and, on CPU, reorders once for its own products."""
+    into the graph as constants; each product runs on the kernels of the layer it came from where that layer has a
+    plan (`traceable_product`), else on inductor's."""
 
     _PRODUCTS = ("qkv", "o", "gate_up", "down")
 
     def __init__(self, parts: list[LayerParts], input_norms: list[torch.Tensor]) -> None:
         super().__init__()
         self.specs = [(p.eps, p.q_size, p.head_dim, p.scaling) for p in parts]
+        self.products = {}  # name -> each layer's (x, weight, bias) -> product, on the kernels its layout chose
         for name in self._PRODUCTS:
             modules = [getattr(p, name) for p in parts]
+            self.products[name] = [traceable_product(m) for m in modules]
             self.register_module(name, nn.ParameterList([m.weight for m in modules]))
             if modules[0].bias is not None:
                 self.register_module(f"{name}_bias", nn.ParameterList([m.bias for m in modules]))
@@ -289,7 +295,8 @@ class _CompiledStack(nn.Module):
     def _product(self, name: str, i: int) -> Product:
         weight = getattr(self, name)[i]
         bias = getattr(self, f"{name}_bias")[i] if hasattr(self, f"{name}_bias") else None
-        return lambda x: F.linear(x, weight, bias)
+        product = self.products[name][i]
+        return lambda x: product(x, weight, bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -210,3 +210,30 @@ def test_a_packed_copy_is_made_at_the_first_product_that_needs_it_and_dropped_wh
         with torch.no_grad():
             layer.weight.data = torch.randn_like(layer.weight)  # a replaced weight is packed again
         torch.testing.assert_close(layer(xb), torch.nn.functional.linear(xb, layer.weight))
+
+
+def test_a_traceable_product_runs_the_layers_own_kernels_and_plain_f_linear_for_anything_else(monkeypatch):
+    """`specheads::planned_linear` runs the layer registered for it (its plan, its packed copy) when given that
+    layer's own weight, and F.linear for any other weight (a copy a compiler made); a layer without a plan traces as
+    F.linear."""
+    plan = ("packed" if packing_available(torch.float32) else "transposed",) * len(BUCKETS)
+    monkeypatch.setattr(gemm_layout.gemm_choice, "plans", lambda shapes, dtype: {s: plan for s in shapes})
+    layer = set_linear_layout(torch.nn.Linear(16, 24), "measured")
+    product = gemm_layout.traceable_product(layer)
+    slot = layer.traced_slot
+    gemm_layout.traceable_product(layer)
+    assert layer.traced_slot == slot  # one slot per layer, however many graphs trace it
+    calls = []
+    forward = PlannedLinear.forward
+    monkeypatch.setattr(PlannedLinear, "forward", lambda self, x: calls.append(self) or forward(self, x))
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(rows, 16)
+            assert torch.equal(product(x, layer.weight, layer.bias), forward(layer, x))  # the same kernel: bitwise
+            copy_ = layer.weight.clone()
+            assert torch.equal(product(x, copy_, layer.bias), torch.nn.functional.linear(x, copy_, layer.bias))
+    assert calls == [layer, layer]  # the layer's own weight only
+    clone = copy.deepcopy(layer)  # a copy registers anew: it never runs the original's kernels on its own weight
+    gemm_layout.traceable_product(clone)
+    assert clone.traced_slot != layer.traced_slot
+    assert gemm_layout.traceable_product(torch.nn.Linear(16, 24)) is torch.nn.functional.linear

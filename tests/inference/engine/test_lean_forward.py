@@ -186,6 +186,29 @@ def test_the_first_compiled_step_compiles_the_graph_a_later_prompt_needs():
     assert counters["stats"]["unique_graphs"] == graphs and engine.lean.compile_s > 0
 
 
+def test_the_compiled_graph_runs_its_products_on_the_layers_kernels(monkeypatch):
+    """In a planned layout the compiled stack calls each layer's own kernels (`specheads::planned_linear`), not
+    inductor's products: every fused product of every layer runs through its PlannedLinear, and the logits are the
+    HF forward's up to product rounding."""
+    from specheads.gemm_layout import PlannedLinear
+
+    model = set_linear_layout(tiny_model("qwen3"), "packed" if packing_available(torch.float32) else "transposed")
+    lean = lean_forward(model, compiled=True)
+    prompts = [repetitive_prompt(19, seed=1), repetitive_prompt(7, seed=2)]
+    trees = [TREE, DraftTree(tokens=torch.tensor([3, 4]), parents=torch.tensor([-1, 0]))]
+    calls = []
+    forward = PlannedLinear.forward
+    monkeypatch.setattr(PlannedLinear, "forward", lambda self, x: calls.append(self) or forward(self, x))
+    (_, hf_out), (_, lean_out) = (_forwards(model, f, prompts, trees) for f in (None, lean))
+    _close(lean_out.logits, hf_out.logits)
+    calls.clear()
+    _forwards(model, lean, prompts, trees)  # compiled already: the second prefill and the verify run the graph
+    fused = {id(m) for parts in lean.layers for m in (parts.qkv, parts.o, parts.gate_up, parts.down)}
+    ran = [id(m) for m in calls if id(m) in fused]
+    # the first prefill runs eagerly; the second prefill and the verify run the graph: every product, each time
+    assert set(ran) == fused and len(ran) == 3 * len(fused)
+
+
 def test_compile_is_refused_without_the_lean_forward():
     with pytest.raises(ValueError, match="--compile compiles the lean forward"):
         Engine(tiny_model(), AutoregressiveProposer(), step="hf", compile=True)
