@@ -26,6 +26,10 @@ Layouts:
   the row-major weights it was tuned for).
 The packed copies are one more copy of the weights they pack in memory, made at a layer's first product that runs
 on one (under "measured", only where packing wins at a row count the forward uses).
+
+A graph compiled with torch.compile reaches a planned layer's kernels through `traceable_product`: one opaque op per
+product (`specheads::planned_linear`), which the compiler leaves alone and which runs the layer's plan when the graph
+runs.
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ def test_a_traceable_product_runs_the_layers_own_kernels_and_plain_f_linear_for_
             copy_ = layer.weight.clone()
             assert torch.equal(product(x, copy_, layer.bias), torch.nn.functional.linear(x, copy_, layer.bias))
     assert calls == [layer, layer]  # the layer's own weight only
-    clone = copy.deepcopy(layer)  # a copy registers anew: it never runs the original's kernels on its own weight
+    clone = copy.deepcopy(layer)  # a deep copy has a weight of its own, so a slot of its own
     gemm_layout.traceable_product(clone)
     assert clone.traced_slot != layer.traced_slot
     assert gemm_layout.traceable_product(torch.nn.Linear(16, 24)) is torch.nn.functional.linear
