@@ -44,22 +44,38 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_logits_and_hidden_states_are_the_hf_forwards(arch, compiled):
+def test_logits_and_hidden_states_are_the_hf_forwards(arch, compiled, monkeypatch):
     """Compiled, the second row's prefill and the two-row verify run the compiled graph (the first prefill sizes
-    the cache eagerly): rows of different lengths, a tree, and a narrower tree's padding."""
+    the cache eagerly): rows of different lengths, a tree, and a narrower tree's padding. Qwen3's weights are in a
+    planned layout, whose products the compiled graph runs on each layer's own kernels (`specheads::planned_linear`):
+    every fused product of every layer runs through its PlannedLinear each time; the other families' products are
+    inductor's."""
+    from specheads.gemm_layout import PlannedLinear
+
     model = tiny_model(arch)
     assert lean_unsupported(model) is None
+    if arch == "qwen3":
+        set_linear_layout(model, "packed" if packing_available(torch.float32) else "transposed")
+    calls = []
+    forward = PlannedLinear.forward
+    monkeypatch.setattr(PlannedLinear, "forward", lambda self, x: calls.append(self) or forward(self, x))
     prompts = [repetitive_prompt(19, seed=1), repetitive_prompt(7, seed=2)]  # rows of different lengths
     trees = [TREE, DraftTree(tokens=torch.tensor([3, 4]), parents=torch.tensor([-1, 0]))]
-    (hf_pre, hf_out), (lean_pre, lean_out) = (_forwards(model, lean, prompts, trees)
-                                              for lean in (None, lean_forward(model, compiled=compiled)))
-    for hf, lean in [*zip(hf_pre, lean_pre), (hf_out, lean_out)]:
-        assert lean.logits.shape == hf.logits.shape
-        _close(lean.logits, hf.logits)
-        assert len(lean.hidden_states) == len(hf.hidden_states) == model.config.num_hidden_layers + 1
-        for got, want in zip(lean.hidden_states, hf.hidden_states):
-            _close(got, want)
+    hf_pre, hf_out = _forwards(model, None, prompts, trees)
+    calls.clear()
+    lean = lean_forward(model, compiled=compiled)
+    lean_pre, lean_out = _forwards(model, lean, prompts, trees)
+    for hf, got in [*zip(hf_pre, lean_pre), (hf_out, lean_out)]:
+        assert got.logits.shape == hf.logits.shape
+        _close(got.logits, hf.logits)
+        assert len(got.hidden_states) == len(hf.hidden_states) == model.config.num_hidden_layers + 1
+        for mine, want in zip(got.hidden_states, hf.hidden_states):
+            _close(mine, want)
     # the verify's padding (row 2's tree is narrower) is never read; the real nodes match, checked above
+    if arch == "qwen3":  # two prefills and the verify, and compiled each graph's first call warms its sibling up
+        fused = {id(m) for parts in lean.layers for m in (parts.qkv, parts.o, parts.gate_up, parts.down)}
+        ran = [id(m) for m in calls if id(m) in fused]
+        assert set(ran) == fused and len(ran) == (5 if compiled else 3) * len(fused)
 
 
 def test_attended_slots_round_up_to_few_shapes():
@@ -184,29 +200,6 @@ def test_the_first_compiled_step_compiles_the_graph_a_later_prompt_needs():
     graphs = counters["stats"]["unique_graphs"]
     assert engine.generate(prompts[1], max_new_tokens=12).output_ids == plain[1]
     assert counters["stats"]["unique_graphs"] == graphs and engine.lean.compile_s > 0
-
-
-def test_the_compiled_graph_runs_its_products_on_the_layers_kernels(monkeypatch):
-    """In a planned layout the compiled stack calls each layer's own kernels (`specheads::planned_linear`), not
-    inductor's products: every fused product of every layer runs through its PlannedLinear, and the logits are the
-    HF forward's up to product rounding."""
-    from specheads.gemm_layout import PlannedLinear
-
-    model = set_linear_layout(tiny_model("qwen3"), "packed" if packing_available(torch.float32) else "transposed")
-    lean = lean_forward(model, compiled=True)
-    prompts = [repetitive_prompt(19, seed=1), repetitive_prompt(7, seed=2)]
-    trees = [TREE, DraftTree(tokens=torch.tensor([3, 4]), parents=torch.tensor([-1, 0]))]
-    calls = []
-    forward = PlannedLinear.forward
-    monkeypatch.setattr(PlannedLinear, "forward", lambda self, x: calls.append(self) or forward(self, x))
-    (_, hf_out), (_, lean_out) = (_forwards(model, f, prompts, trees) for f in (None, lean))
-    _close(lean_out.logits, hf_out.logits)
-    calls.clear()
-    _forwards(model, lean, prompts, trees)  # compiled already: the second prefill and the verify run the graph
-    fused = {id(m) for parts in lean.layers for m in (parts.qkv, parts.o, parts.gate_up, parts.down)}
-    ran = [id(m) for m in calls if id(m) in fused]
-    # the first prefill runs eagerly; the second prefill and the verify run the graph: every product, each time
-    assert set(ran) == fused and len(ran) == 3 * len(fused)
 
 
 def test_compile_is_refused_without_the_lean_forward():
