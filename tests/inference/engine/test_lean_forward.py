@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specheads.gemm_layout import packing_available, set_linear_layout
+from specheads.gemm_layout import PlannedLinear, packing_available, set_linear_layout
 from specheads.hf import cache_kwargs
 from specheads.inference.engine.batch_cache import BatchKVCache
 from specheads.inference.engine.engine import Engine
@@ -50,8 +50,6 @@ def test_logits_and_hidden_states_are_the_hf_forwards(arch, compiled, monkeypatc
     planned layout, whose products the compiled graph runs on each layer's own kernels (`specheads::planned_linear`):
     every fused product of every layer runs through its PlannedLinear each time; the other families' products are
     inductor's."""
-    from specheads.gemm_layout import PlannedLinear
-
     model = tiny_model(arch)
     assert lean_unsupported(model) is None
     if arch == "qwen3":
