@@ -6,7 +6,7 @@ import gzip
 import io
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -88,6 +88,17 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
     if not questions:
         raise ValueError(f"questions file {path} has no questions")
     return questions
+
+
+def interleave_categories(questions: Sequence[Question]) -> list[Question]:
+    """The questions taken one category at a time in turn (the first of each category, then the second of each, ...;
+    categories in the order they first appear), so every prefix of the run, one a time budget or Ctrl-C ends, is as
+    balanced as it can be."""
+    by_category: dict[str, list[Question]] = {}
+    for q in questions:
+        by_category.setdefault(q.category, []).append(q)
+    rounds = max(len(qs) for qs in by_category.values()) if by_category else 0
+    return [qs[i] for i in range(rounds) for qs in by_category.values() if i < len(qs)]
 
 
 def check_distinct_ids(questions: list[Question], path: str | Path) -> None:

@@ -36,7 +36,7 @@ class DataConfig:
 class OptimConfig:
     optimizer: str = "adamw"  # "adamw", or "muon": Muon on the hidden matrices, AdamW on the rest (train/optimizer.py)
     lr: float = 1e-3  # peak learning rate (linear warmup, then `schedule`'s decay)
-    schedule: str = "cosine"  # decay after the warmup to 0 at max_steps: "cosine" or "linear"
+    schedule: str = "cosine"  # decay after the warmup to 0 at max_steps (or max_minutes): "cosine" or "linear"
     weight_decay: float = 0.0  # AdamW weight decay
     muon_weight_decay: float = 0.1  # Muon's weight decay (optimizer: muon)
     warmup_steps: int = 20  # steps of linear warmup to the peak rate
@@ -61,9 +61,10 @@ class TrainConfig:
     target: str = "default"  # "default" (SmolLM2-135M-Instruct), an HF model id or a local folder
     output_dir: str | None = None  # default: runs/<recipe>
     max_steps: int = 300  # optimizer steps
-    # Stop at the first step after this many minutes of training (the target's load, data and feature cache not
-    # counted) as if it were the last: evaluated, saved, measured. The schedule still spans max_steps. None: no limit
-    max_minutes: float | None = None
+    # The run's last step is the first after this many minutes of training (the target's load, data and feature cache
+    # not counted): evaluated, saved, measured; the LR decays to 0 at whichever of max_steps and max_minutes comes
+    # first (train/budget.py)
+    max_minutes: float | None = None  # minutes of training; the LR schedule anneals over them (None: no time limit)
     seed: int = 0  # data order, initialisation and noise; also the held-out split unless data.split_seed is set
     resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
     init_heads: str | None = None  # start from these saved heads (a run's final/) for more steps or new data

@@ -24,13 +24,13 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, broadcast, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from specheads.formats.load import read_heads
 from specheads.gemm_layout import cpu_has_native_bf16
 from specheads.inference.bench.runner import measure_drafter
 from specheads.target import load_target, stop_token_ids
 from specheads.token_classes import token_classes
+from specheads.train.budget import TrainingClock, budget_schedule
 from specheads.train.class_top1 import TOKEN_HITS, class_row, class_sums
 from specheads.train.config import TrainConfig, train_config_dict
 from specheads.train.data import (
@@ -282,8 +282,9 @@ class TrainingRun:
             init_from_heads(head, cfg.init_heads, self.objective.kind, self.target, cfg.target)
         optimizer = build_optimizer(head, self.objective.param_groups(head, cfg.optim.lr, cfg.heads), cfg.optim,
                                     vocab_sizes=(self.vocab_size, *([len(draft_vocab)] if draft_vocab else [])))
-        schedules = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup}
-        scheduler = schedules[cfg.optim.schedule](optimizer, cfg.optim.warmup_steps, cfg.max_steps)
+        self.clock = TrainingClock(cfg.max_minutes, sync=_main_process_reading(accelerator))
+        scheduler = budget_schedule(optimizer, warmup_steps=cfg.optim.warmup_steps, max_steps=cfg.max_steps,
+                                    shape=cfg.optim.schedule, clock=self.clock)
         self.head, self.optimizer, self.loader, self.eval_loader, self.scheduler = accelerator.prepare(
             head, optimizer, self.loader, self.eval_loader, scheduler)
         # for top-1 by token class in evaluations
@@ -296,6 +297,8 @@ class TrainingRun:
             accelerator.load_state(str(self.resume_from))
             state = json.loads((self.resume_from / STATE_FILE).read_text())
             self.progress = Progress(state["step"], state["epoch"], state["batches_done"])
+            # the minutes its checkpoint had used (none recorded: a checkpoint from before the clock kept them)
+            self.clock.resume(**state.get("clock", {}))
             log.info("resumed from %s at step %d", self.resume_from, self.progress.step)
         if cfg.report_to == "wandb":
             accelerator.init_trackers("specheads", config=train_config_dict(cfg),
@@ -343,7 +346,8 @@ class TrainingRun:
         self.accelerator.save_state(str(ckpt))
         if self.accelerator.is_main_process:  # written last: a checkpoint without it is incomplete and ignored
             (ckpt / STATE_FILE).write_text(json.dumps({"step": progress.step, "epoch": progress.epoch,
-                                                       "batches_done": progress.batches_done}))
+                                                       "batches_done": progress.batches_done,
+                                                       "clock": self.clock.state()}))
         self.accelerator.wait_for_everyone()
 
     # --- training ----------------------------------------------------------------------------------------------
@@ -351,14 +355,14 @@ class TrainingRun:
     def fit(self) -> None:
         """Optimizer steps up to `max_steps` (or `max_minutes`), logging every `log_every`, evaluating every
         `eval_every` and saving every `save_every` steps, and all three at the last step."""
-        cfg, accelerator, progress = self.cfg, self.accelerator, self.progress
+        cfg, accelerator, progress, clock = self.cfg, self.accelerator, self.progress, self.clock
         head, optimizer, scheduler = self.head, self.optimizer, self.scheduler
         head.train()
         bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train",
                    disable=not accelerator.is_local_main_process)
         tokens_seen, window_start = 0, time.perf_counter()
-        out_of_time = _time_limit(accelerator, cfg.max_minutes)
-        last = progress.step >= cfg.max_steps  # a run resumed at its end trains no more
+        clock.start()
+        last = progress.step >= cfg.max_steps or clock.spent  # a run resumed at its end trains no more
         while not last:
             self.loader.set_epoch(progress.epoch)
             batches = (accelerator.skip_first_batches(self.loader, progress.batches_done) if progress.batches_done
@@ -371,6 +375,7 @@ class TrainingRun:
                         accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
                     optimizer.step()
                     if accelerator.sync_gradients:
+                        clock.tick()  # before the schedule reads it
                         scheduler.step()
                     optimizer.zero_grad()
                 progress.batches_done += 1
@@ -380,7 +385,7 @@ class TrainingRun:
                 progress.step += 1
                 step = progress.step
                 bar.update(1)
-                last = step >= cfg.max_steps or out_of_time()
+                last = step >= cfg.max_steps or clock.spent
                 if step % cfg.log_every == 0 or last:
                     # The step's loss and statistics over every process's share of the batch (each process's mean,
                     # averaged), not the first process's alone; every process reaches this line at the same step.
@@ -430,18 +435,16 @@ class TrainingRun:
         return final
 
 
-def _time_limit(accelerator: Accelerator, max_minutes: float | None):
-    """A check, made once per optimizer step, of whether `max_minutes` have passed since this call; every process
-    gets the main process's answer (a broadcast), so all stop at the same step."""
-    if max_minutes is None:
-        return lambda: False
-    deadline = time.monotonic() + 60 * max_minutes
+def _main_process_reading(accelerator: Accelerator):
+    """The main process's clock reading on every process (a broadcast), so all take the same LR and stop together."""
+    if accelerator.num_processes == 1:
+        return lambda minutes: minutes
 
-    def out_of_time() -> bool:
-        flag = torch.tensor([time.monotonic() >= deadline], dtype=torch.int32, device=accelerator.device)
-        return bool(broadcast(flag, from_process=0).item())
+    def sync(minutes: float) -> float:
+        reading = torch.tensor([minutes], dtype=torch.float64, device=accelerator.device)
+        return float(broadcast(reading, from_process=0).item())
 
-    return out_of_time
+    return sync
 
 
 def held_out_prompts(eval_ds, n: int) -> list[list[int]]:

@@ -12,6 +12,7 @@ import datetime
 import json
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,15 +91,19 @@ def verify_cost_used(model: PreTrainedModel) -> dict | None:
 
 def collect(runners: dict[str, Runner], tokenizer: PreTrainedTokenizerBase, questions: Sequence[Question], *,
             output: Path | None, max_new_tokens: int, sampling: SamplingParams, stop_token_ids: list[int],
-            turns: int, warmup: int) -> tuple[list[Record], bool]:
+            turns: int, warmup: int, max_minutes: float | None = None) -> tuple[list[Record], bool]:
     """Every (question, method, turn) answered, each appended to output/results.jsonl as it finishes (`finish`
-    rewrites it with the exactness marks). Returns the records and whether Ctrl-C stopped the run early."""
+    rewrites it with the exactness marks); with `max_minutes`, no question is begun once that many minutes have
+    passed (the warm-up counted), so the run ends within one question of its budget. Returns the records and
+    whether Ctrl-C stopped the run early."""
     results = (output / "results.jsonl").open("w", encoding="utf-8") if output is not None else None
     records: list[Record] = []
     bar = tqdm(total=len(questions) * len(runners), desc="bench", unit="run", file=sys.stderr)
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     try:
         for rec in run_bench(runners, tokenizer, questions, max_new_tokens=max_new_tokens, sampling=sampling,
-                             stop_token_ids=stop_token_ids, turns=turns, warmup=warmup):
+                             stop_token_ids=stop_token_ids, turns=turns, warmup=warmup,
+                             more=lambda: deadline is None or time.monotonic() < deadline):
             records.append(rec)
             if rec.turn == turns:
                 bar.update(1)

@@ -262,6 +262,7 @@ def run_bench(
     stop_token_ids: list[int],
     turns: int = 1,
     warmup: int = 1,
+    more: Callable[[], bool] = lambda: True,
 ) -> Iterator[Record]:
     """Yield one Record per (question, method, turn), methods interleaved within each question.
 
@@ -270,7 +271,8 @@ def run_bench(
        discard them (allocator and kernel warm-up, HF's lazy set-up, hf-static's and `--compile`'s compilation:
        all of it happens in the prompt and the first few steps, so a whole answer would only add time).
     2. For each question, for each method: answer turn 1; for turn 2 render [user 1, the method's own
-       answer 1, user 2] with the chat template and answer that.
+       answer 1, user 2] with the chat template and answer that. Before each question after the first, `more()`
+       says whether to go on (a time budget): every method always answers the same questions.
     With a seed, each (question, turn) draws from its own stream (`SamplingParams.for_draw`), the same for
     every method.
     """
@@ -302,7 +304,9 @@ def run_bench(
         log = getattr(runner, "log", None)
         if log is not None:
             log.clear()
-    for q in questions:
+    for i, q in enumerate(questions):
+        if i and not more():
+            return
         for name, runner in runners.items():
             history: list[str] = []
             for t in range(turns):

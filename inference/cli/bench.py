@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 
 from specheads.inference.cli import args as shared
 
@@ -37,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     shared.add_max_new_tokens(p)
     shared.add_sampling(p, temperature_help="0 = greedy (default); greedy runs check every output against ar's")
     p.add_argument("--warmup", type=int, default=1, help="questions run once per method before timing (default 1)")
+    p.add_argument("--max-minutes", type=float, metavar="M",
+                   help="begin no question after M minutes (the warm-up counted): every method answers the same "
+                        "questions, and the categories take turns, so the questions answered are a balanced subset")
     shared.add_model_settings(p)
     shared.add_output(p, help="directory for results.jsonl, summary.json, summary.md, config.json and PNG plots")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots (then matplotlib is not needed)")
@@ -55,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
     from specheads.inference.bench.method_spec import parse_methods
     from specheads.inference.bench.runner import build_runners, close_runners
     from specheads.inference.engine.sampling import SamplingParams
-    from specheads.questions import check_distinct_ids, load_questions
+    from specheads.questions import check_distinct_ids, interleave_categories, load_questions
     from specheads.target import load_target, parse_device, stop_token_ids
 
     # 1. Every check that needs no model, so bad input costs no loading time.
@@ -67,8 +71,11 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--limit must be >= 1 (or omitted for all questions), got {args.limit}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise ValueError(f"--max-minutes must be > 0 (or omitted for no time budget), got {args.max_minutes}")
     parse_device(args.device)
-    questions = load_questions(args.questions, args.limit, args.per_category)
+    # categories in turn, so the questions a time budget or Ctrl-C leaves answered are balanced
+    questions = interleave_categories(load_questions(args.questions, args.limit, args.per_category))
     check_distinct_ids(questions, args.questions)  # results and seeded streams are keyed by question id
     if args.turns == 2 and any(len(q.turns) < 2 for q in questions):
         raise ValueError(f"--turns 2 needs two turns per question; {args.questions} has single-turn questions")
@@ -77,7 +84,8 @@ def run(args: argparse.Namespace) -> None:
         "target": args.target, "methods": [s.name for s in specs], "questions": str(args.questions),
         "limit": args.limit, "per_category": args.per_category, "num_questions": len(questions), "turns": args.turns,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-        "top_k": args.top_k, "seed": args.seed, "warmup": args.warmup, "device": args.device, "dtype": args.dtype,
+        "top_k": args.top_k, "seed": args.seed, "warmup": args.warmup, "max_minutes": args.max_minutes,
+        "device": args.device, "dtype": args.dtype,
         "weight_layout": args.weight_layout, "step": args.step, "compile": args.compile,
         "fp32_head": args.fp32_head, "adapter": args.adapter})
 
@@ -92,12 +100,15 @@ def run(args: argparse.Namespace) -> None:
     try:
         records, interrupted = bench_run.collect(
             runners, tokenizer, questions, output=args.output, max_new_tokens=args.max_new_tokens, sampling=sampling,
-            stop_token_ids=stop_token_ids(tokenizer, model), turns=args.turns, warmup=args.warmup)
+            stop_token_ids=stop_token_ids(tokenizer, model), turns=args.turns, warmup=args.warmup,
+            max_minutes=args.max_minutes)
     finally:
         close_runners(runners)  # llama.cpp's servers
     config["machine"]["verify_cost"] = bench_run.verify_cost_used(model)
     if interrupted:
         print(f"interrupted: reporting the {len(records)} generations that finished", file=sys.stderr)
+    finished = Counter(r.question_id for r in records if r.turn == args.turns)
+    config["questions_answered"] = sum(n == len(runners) for n in finished.values())  # by every method
     done = bench_run.finish(
         records, runners, model, tokenizer, greedy=sampling.greedy, config={**config, "interrupted": interrupted},
         load_fp32=lambda: load_target(args.target, device=args.device, dtype="float32",

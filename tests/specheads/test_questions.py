@@ -5,7 +5,7 @@ import pytest
 
 from specheads import questions as questions_module
 from specheads.conversations import is_held_out
-from specheads.questions import load_questions
+from specheads.questions import interleave_categories, load_questions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +34,12 @@ def test_limit_caps_the_balanced_subset(tmp_path):
     assert [q.question_id for q in load_questions(path, limit=3, per_category=1)] == [0, 4, 7]
     assert [q.question_id for q in load_questions(path, limit=2, per_category=1)] == [0, 4]
     assert [q.question_id for q in load_questions(path, limit=3)] == [0, 1, 2]
+
+
+def test_categories_take_turns_so_every_prefix_is_balanced(tmp_path):
+    got = interleave_categories(load_questions(_write(tmp_path, _rows())))
+    assert [q.question_id for q in got] == [0, 4, 7, 1, 5, 8, 2, 6, 3]
+    assert interleave_categories([]) == []
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [({"per_category": 0}, "--per-category must be >= 1"),

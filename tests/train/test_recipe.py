@@ -333,14 +333,21 @@ def test_runs_with_one_split_seed_train_on_the_same_rows_and_share_the_feature_c
     assert written() != first
 
 
-def test_max_minutes_ends_the_run_at_the_first_step_past_it_as_its_last(tiny_run_inputs, tmp_path):
+def test_max_minutes_ends_the_run_at_the_first_step_past_it_as_its_last_and_annealed(tiny_run_inputs, tmp_path):
     out = tmp_path / "run"
     # 6 ms: past by the end of the first step, which is then evaluated, saved and measured like a last step
-    assert train_main(base_args(tiny_run_inputs, out, "max_steps=1000", "max_minutes=0.0001", "eval_every=500",
-                                "save_every=500", "log_every=500")) == 0
+    budget = ("max_steps=1000", "max_minutes=0.0001", "optim.warmup_steps=0", "eval_every=500", "save_every=500",
+              "log_every=500")
+    assert train_main(base_args(tiny_run_inputs, out, *budget)) == 0
     rows = metrics(out)
     assert max(r["step"] for r in rows) == 1 and [r["step"] for r in rows if "loss" in r] == [1]
+    assert [r["lr"] for r in rows if "loss" in r] == [0.0]  # the schedule ends with the minutes, not at step 1000
     assert any("eval/top1_step1" in r for r in rows) and "eval/measured_tau" in rows[-1]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"] and (out / "final" / "config.json").is_file()
+    clock = json.loads((out / "checkpoints" / "step_1" / "trainer_state.json").read_text())["clock"]
+    assert clock["used"] >= 0.0001 and clock["warmup_end"] == 0.0
+    # resumed, the run has spent its minutes: it trains no more
+    assert train_main(base_args(tiny_run_inputs, out, *budget, "resume=true")) == 0
+    assert max(r["step"] for r in metrics(out)) == 1
     with pytest.raises(ValueError, match="max_minutes must be > 0"):
         load_train_config(None, ["recipe=eagle", "max_minutes=0"])

@@ -437,6 +437,36 @@ def test_the_warm_up_is_short_and_discarded_and_every_question_then_gets_the_ful
     assert [r.question_id for r in records] == [1, 2]
 
 
+def test_a_budget_ends_the_run_between_questions_with_every_method_on_the_same_ones():
+    runners = {"a": _SeedRecorder(), "b": _SeedRecorder()}
+    questions = [Question(qid, "c", ("w5 w6",)) for qid in (1, 2, 3)]
+    asked = []
+
+    def more() -> bool:  # asked before the second and third questions: the budget runs out after the second
+        asked.append(1)
+        return len(asked) < 2
+
+    records = list(run_bench(runners, tiny_tokenizer(), questions, max_new_tokens=1, warmup=0, more=more,
+                             sampling=SamplingParams(), stop_token_ids=[]))
+    assert [(r.question_id, r.method) for r in records] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    assert len(asked) == 2
+
+
+def test_max_minutes_answers_a_balanced_prefix_and_says_so(tiny_model_dir, questions_file, tmp_path, capsys):
+    out_dir = tmp_path / "bench"
+    # a budget spent during the warm-up: the first question (writing) is still answered by every method, no other
+    code, _, _ = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,ngram", "--questions", str(questions_file),
+                          "--max-new-tokens", "4", "--max-minutes", "1e-9", "--output", str(out_dir), "--no-plots"],
+                         capsys)
+    assert code == 0
+    assert [(r["question_id"], r["method"]) for r in read_rows(out_dir)] == [(1, "ar"), (1, "ngram")]
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["max_minutes"] == 1e-9 and config["questions_answered"] == 1 and config["num_questions"] == 3
+    code, _, err = run_cli(["--target", str(tiny_model_dir), "--questions", str(questions_file), "--max-new-tokens",
+                            "4", "--max-minutes", "0"], capsys)
+    assert code == 2 and "--max-minutes must be > 0" in err
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hf_static_runs_on_a_packed_target(dtype):
     # torch.compile cannot trace oneDNN's packed weights: the runner must hand it plain layers, and leave them packed
