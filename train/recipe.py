@@ -395,7 +395,8 @@ class TrainingRun:
                     elapsed = time.perf_counter() - window_start
                     self.emit({**row, "tokens_per_s": tokens_seen * accelerator.num_processes / max(elapsed, 1e-9),
                                "epoch": progress.epoch})
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}")
+                    minutes = {} if cfg.max_minutes is None else {"min": f"{clock.used:.1f}/{cfg.max_minutes:g}"}
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}", **minutes)
                     tokens_seen, window_start = 0, time.perf_counter()
                 if step % cfg.eval_every == 0 or last:
                     self.emit({"step": step, **self.evaluate()})
