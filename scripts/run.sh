@@ -61,8 +61,9 @@ if [[ "$machine" == fp32 ]]; then
     # batches of 2 and a 10-step warmup: about 130 steps in 10 minutes, τ 1.78 on MT-bench against 1.74 for the
     # recipe's batches of 4 and 30-step warmup in the same minutes, and 1.86 for 300 steps on cached features (38
     # minutes; docs/results.md, "the main job in 25 minutes on a CPU without native bf16")
-    # The heads' τ is measured by the bench right after, so the recipe's own measurement is skipped here (half a minute).
-    budget=(features=online "max_minutes=${TRAIN_MINUTES:-9}" optim.batch_size=2 optim.warmup_steps=10 measure_prompts=0)
+    # the heads' τ is measured by the bench right after: the recipe's own measurement is skipped (half a minute)
+    budget=(features=online "max_minutes=${TRAIN_MINUTES:-9}" optim.batch_size=2 optim.warmup_steps=10
+            measure_prompts=0)
 fi
 .venv/bin/python -m specheads.train configs/peagle-smollm2-cpu.yaml "output_dir=$run/peagle" max_steps=300 \
     eval_every=300 save_every=300 data.max_conversations=600 "${budget[@]}"
