@@ -205,6 +205,19 @@ def test_two_ddp_processes_train_eagle_as_one_and_their_checkpoint_resumes_in_on
     assert_same_weights(eagle_one_process, resumed)  # same data position and LR schedule as the unbroken run
 
 
+@pytest.mark.slow
+def test_two_ddp_processes_stop_together_at_the_main_processs_minutes(tiny_run_inputs, tmp_path):
+    # 6 ms of budget: spent by the end of the first step on the main process's clock, which every process reads
+    out = tmp_path / "timed"
+    proc = launch(CONFIGS / "multi_gpu_ddp.yaml", 2,
+                  ["-m", "specheads.train", *base_args(tiny_run_inputs, out, *RUN[1:], "max_steps=1000",
+                                                       "max_minutes=0.0001", "optim.batch_size=2")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lr"]) for r in rows if "loss" in r] == [(1, 0.0)]  # the last step, annealed
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]
+
+
 def test_two_processes_cache_features_in_parallel_and_train_as_one_process_on_its_own_cache(tiny_run_inputs,
                                                                                            tmp_path):
     offline = (*RUN, "features=offline", "feature_dtype=float32")
