@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specheads.config import build, read_config_data, to_dict
+from specheads.train.budget import SHAPES
 from specheads.train.objective import OBJECTIVES
 from specheads.train.target_sharding import check_shard_settings
 
@@ -47,8 +48,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("optim.lr must be > 0 and optim.batch_size, optim.grad_accum >= 1")
-        if self.schedule not in ("cosine", "linear"):
-            raise ValueError(f"optim.schedule must be cosine or linear, got {self.schedule!r}")
+        if self.schedule not in SHAPES:
+            raise ValueError(f"optim.schedule must be one of {', '.join(SHAPES)}, got {self.schedule!r}")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"optim.optimizer must be adamw or muon, got {self.optimizer!r}")
         if self.weight_decay < 0 or self.muon_weight_decay < 0:
