@@ -152,9 +152,11 @@ def block_loss(step: BlockStep, logits: torch.Tensor, loss: str,
     ce, agree = head_loss(loss, step.target_logits, logits)  # [M], [M]
     valid = step.valid
     entry_slot = torch.arange(1, valid.shape[2] + 1, device=valid.device).expand_as(valid)[valid]  # [M]
-    w = weighting.weights(valid.flatten(0, 1), step.target_logits, logits)  # blocks: (row, anchor) pairs
+    w = weighting.weights(valid.flatten(0, 1), step.target_logits, logits, agree)  # blocks: (row, anchor) pairs
     total = (w * ce).sum() / w.sum().clamp(min=1e-9)
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean()) if ce.numel() else 0.0}
+    if weighting.accept_until_fail:  # the share of entries inside each block's support
+        stats["auf_kept"] = float((w > 0).float().mean()) if w.numel() else 0.0
     with torch.no_grad():
         hit = agree.float()
         for j in range(1, valid.shape[2] + 1):

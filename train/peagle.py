@@ -107,17 +107,19 @@ def _counted(counts: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor) ->
 
 def _weighted(ce: torch.Tensor, settings: PEagleHeadsConfig, valid: torch.Tensor, rows: torch.Tensor,
               anchor: torch.Tensor, depth: torch.Tensor, width: int, depths: int, target_logits: torch.Tensor,
-              logits: torch.Tensor) -> torch.Tensor:
+              logits: torch.Tensor, agree: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries' loss weighted per block: an anchor's entries are its block's slots, depth d its slot d + 1.
-    `valid` [B, L] lists the entries row by row, depth by depth; the blocks [B * W, depths] anchor by anchor."""
+    `valid` [B, L] lists the entries row by row, depth by depth; the blocks [B * W, depths] anchor by anchor.
+    Returns the loss and each entry's weight [M]."""
     entry_anchor, entry_depth = anchor[None].expand_as(valid)[valid], depth[None].expand_as(valid)[valid]
     key = (rows * width + entry_anchor) * depths + entry_depth  # [M]: each entry's place among the blocks' slots
     blocks = torch.zeros(valid.shape[0] * width * depths, dtype=torch.bool, device=valid.device)
     blocks[key] = True
     by_block = key.argsort()  # entries in the blocks' order
     w = torch.empty_like(ce)
-    w[by_block] = settings.weights(blocks.view(-1, depths), target_logits[by_block], logits.detach()[by_block])
-    return (w * ce).sum() / w.sum().clamp(min=1e-9)
+    w[by_block] = settings.weights(blocks.view(-1, depths), target_logits[by_block], logits.detach()[by_block],
+                                   None if agree is None else agree[by_block])
+    return (w * ce).sum() / w.sum().clamp(min=1e-9), w
 
 
 def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor],
@@ -138,9 +140,14 @@ def peagle_step_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict
         target_logits = target_draft_logits(target, last[rows, at], model.draft_ids)  # [M, Vd]
     logits = model.draft_logits(out[valid])  # [M, Vd]
     ce, agree = head_loss(settings.loss, target_logits, logits)  # [M], [M]
-    loss = ce.mean() if settings.position_weighting == "uniform" else _weighted(
-        ce, settings, valid, rows, anchor, depth, tokens.shape[1], model.config.num_depths, target_logits, logits)
     stats: dict[str, float] = {"loss_ce": float(ce.detach().mean())}
+    if settings.all_alike:
+        loss = ce.mean()
+    else:
+        loss, w = _weighted(ce, settings, valid, rows, anchor, depth, tokens.shape[1], model.config.num_depths,
+                            target_logits, logits, agree)
+        if settings.accept_until_fail:  # the share of entries inside each block's support
+            stats["auf_kept"] = float((w > 0).float().mean())
     with torch.no_grad():
         hit = agree.float()
         entry_depth = depth[None].expand_as(valid)[valid]
