@@ -121,6 +121,7 @@ def _key_rows(cls: type, prefix: str) -> list[str]:
 def recipes_markdown() -> str:
     from specheads.train.config import DataConfig, OptimConfig, TrainConfig
     from specheads.train.objective import OBJECTIVES
+    from specheads.train.onpolicy import OnPolicyConfig
 
     header = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     out = [GENERATED, "", "# Recipe reference", "",
@@ -128,7 +129,10 @@ def recipes_markdown() -> str:
            "(`data.max_conversations=200`, `heads.num_layers=2`). Unknown keys are refused with the closest known one.",
            "", "## Every recipe", "", *header, *_key_rows(TrainConfig, ""), "",
            "## `data:`", "", *header, *_key_rows(DataConfig, "data."), "",
-           "## `optim:`", "", *header, *_key_rows(OptimConfig, "optim."), ""]
+           "## `optim:`", "", *header, *_key_rows(OptimConfig, "optim."), "",
+           "## `onpolicy:`", "", "Training on the drafter's own mistakes: rollouts with the drafter being trained, "
+           "replayed into every later step (heads recipes; `train/onpolicy.py`).", "",
+           *header, *_key_rows(OnPolicyConfig, "onpolicy."), ""]
     for name in sorted(OBJECTIVES.names()):
         objective = OBJECTIVES.get(name)
         section = objective.section

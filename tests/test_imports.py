@@ -45,10 +45,12 @@ def imported_names(folder: Path, package: str) -> set[tuple[str, str]]:
     return found
 
 
-def test_training_enters_inference_through_measure_drafter_alone():
-    # the measured-τ step is training's one use of the engine; model definitions live in the core
+def test_training_enters_inference_through_the_runners_drafter_calls_alone():
+    # the measured-τ step and the on-policy rollouts are training's only uses of the engine; model definitions live in
+    # the core
+    runner = "specheads.inference.bench.runner"
     assert imported_names(ROOT / "train", "specheads.inference") == {
-        ("specheads.inference.bench.runner", "measure_drafter")}
+        (runner, "measure_drafter"), (runner, "rollout_drafter"), (runner, "Rollout")}
 
 
 def test_method_modules_never_import_their_package():

@@ -9,6 +9,7 @@ from typing import Any
 from specheads.config import build, read_config_data, to_dict
 from specheads.train.budget import SHAPES
 from specheads.train.objective import OBJECTIVES
+from specheads.train.onpolicy import OnPolicyConfig
 from specheads.train.target_sharding import check_shard_settings
 
 
@@ -84,6 +85,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     heads: Any = None  # the recipe's own settings class (Objective.settings); None: its defaults
     optim: OptimConfig = field(default_factory=OptimConfig)
+    onpolicy: OnPolicyConfig = field(default_factory=OnPolicyConfig)  # rollouts replayed into training (onpolicy.py)
 
     def __post_init__(self) -> None:
         if self.recipe is None:
@@ -119,7 +121,23 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.onpolicy.enabled:
+            self._check_onpolicy()
         OBJECTIVES.get(self.recipe).check(self.heads, self)
+
+    def _check_onpolicy(self) -> None:
+        objective = OBJECTIVES.get(self.recipe)
+        if not objective.decodes_as_saved:
+            raise ValueError(f"onpolicy.every applies to heads recipes whose drafter decodes from its own config; the "
+                             f"{self.recipe} recipe's is made from an evaluation; set onpolicy.every=0")
+        if self.optim.grad_accum != 1:
+            raise ValueError("onpolicy replays rollouts into each optimizer step's batch; use optim.grad_accum=1 "
+                             "(a larger optim.batch_size instead) or onpolicy.every=0")
+        if self.shard_target:
+            raise ValueError("onpolicy decodes with the whole target; it cannot run with shard_target=true")
+        if self.onpolicy.max_new_tokens >= self.data.max_length:
+            raise ValueError(f"onpolicy.max_new_tokens ({self.onpolicy.max_new_tokens}) must be below data.max_length "
+                             f"({self.data.max_length}): a rollout row is its prompt and its tokens")
 
     @property
     def split_seed(self) -> int:

@@ -78,6 +78,12 @@ class Objective:
     check_partitioned: Callable[[Any], None] | None = None
 
     @property
+    def decodes_as_saved(self) -> bool:
+        """Its drafter, saved mid-run, decodes as the final one would (no config made from an evaluation): what
+        the on-policy phase's rollouts need."""
+        return self.trains_heads and self.final_config is _own_config
+
+    @property
     def trains_heads(self) -> bool:
         """Heads checkpoints (`init_heads` applies) rather than a standalone model folder."""
         return self.save is save_heads

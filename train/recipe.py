@@ -43,6 +43,7 @@ from specheads.train.data import (
 from specheads.train.feature_cache import FeatureCache, collate_with_features, join_feature_cache, write_feature_cache
 from specheads.train.launch_check import check_launch
 from specheads.train.objective import OBJECTIVES, Objective
+from specheads.train.onpolicy import OnPolicy
 from specheads.train.optimizer import build_optimizer
 from specheads.train.sharding import keep_models_whole, whole_parameters
 from specheads.train.target_sharding import check_shardable, shard_target
@@ -261,6 +262,12 @@ class TrainingRun:
         if cfg.features == "offline":
             train_collate, eval_collate = _offline_collates(cfg, self.objective, accelerator, self.target, train_ds,
                                                             eval_ds, pad)
+        self.pad = pad
+        self.onpolicy = None
+        if cfg.onpolicy.enabled:
+            self.onpolicy = OnPolicy(cfg.onpolicy, train_ds["input_ids"], train_ds["loss_mask"],
+                                     max_length=cfg.data.max_length, seed=cfg.seed,
+                                     process=accelerator.process_index, processes=accelerator.num_processes)
         columns = ["input_ids", "loss_mask", "row"]
         self.train_ds = train_ds.add_column("row", list(range(len(train_ds))))
         self.eval_ds = eval_ds.add_column("row", list(range(len(eval_ds))))
@@ -277,6 +284,8 @@ class TrainingRun:
                                            resuming=self.resume_from is not None)
         if accelerator.is_main_process:
             (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"draft_vocab": draft_vocab}) + "\n")
+        self.feature_layers = self.objective.feature_layers(cfg.heads,
+                                                            self.target.config.get_text_config().num_hidden_layers)
         head = self.objective.build(cfg.heads, self.target, draft_vocab)
         if cfg.init_heads and self.resume_from is None:
             init_from_heads(head, cfg.init_heads, self.objective.kind, self.target, cfg.target)
@@ -299,6 +308,8 @@ class TrainingRun:
             self.progress = Progress(state["step"], state["epoch"], state["batches_done"])
             # the minutes its checkpoint had used (none recorded: a checkpoint from before the clock kept them)
             self.clock.resume(**state.get("clock", {}))
+            if self.onpolicy is not None:
+                self.onpolicy.load(self.resume_from)
             log.info("resumed from %s at step %d", self.resume_from, self.progress.step)
         if cfg.report_to == "wandb":
             accelerator.init_trackers("specheads", config=train_config_dict(cfg),
@@ -340,10 +351,31 @@ class TrainingRun:
         self._last_eval_extra[:] = [extra]
         return row | class_row(sums)
 
+    def roll_out(self) -> dict[str, float]:
+        """The on-policy phase's rollout (`onpolicy.py`): the drafter as it stands, saved where this process decodes
+        from it (as a user's decoding loads it), decodes the next training prompts; their rows join the replay."""
+        accelerator = self.accelerator
+        folder = self.out / "onpolicy" / f"heads-{accelerator.process_index}"
+        model = accelerator.unwrap_model(self.head)
+        self.objective.save(model, folder, target=self.target, tokenizer=self.tokenizer, target_name=self.cfg.target,
+                            config=self.objective.final_config(model, None), metadata={})
+        model.eval()
+        try:
+            figures = self.onpolicy.roll_out(self.target, self.objective.kind, folder,
+                                             stop_token_ids(self.tokenizer, self.target))
+        finally:
+            model.train()
+        # every process's rollout figures, averaged (each decoded its own prompts)
+        mean = accelerator.reduce(torch.tensor(list(figures.values()), device=accelerator.device), reduction="mean")
+        return dict(zip(figures, mean.tolist()))
+
     def save_checkpoint(self) -> None:
         progress = self.progress
         ckpt = self.out / "checkpoints" / f"step_{progress.step}"
         self.accelerator.save_state(str(ckpt))
+        if self.onpolicy is not None:  # every process its own rows
+            self.onpolicy.save(ckpt)
+        self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:  # written last: a checkpoint without it is incomplete and ignored
             (ckpt / STATE_FILE).write_text(json.dumps({"step": progress.step, "epoch": progress.epoch,
                                                        "batches_done": progress.batches_done,
@@ -369,7 +401,13 @@ class TrainingRun:
                        else self.loader)
             for batch in batches:
                 with accelerator.accumulate(head), accelerator.autocast():  # the target's features too
+                    replayed = None
+                    if self.onpolicy is not None:  # rollout rows join the batch
+                        batch, replayed = self.onpolicy.replay(batch, progress.step + 1, self.pad, self.target,
+                                                               self.feature_layers)
                     loss, stats = self.objective.step_loss(head, self.target, batch, cfg.heads)
+                    if replayed is not None:  # on every process alike (their statistics are reduced together)
+                        stats["replay_rows"] = float(replayed)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(head.parameters(), cfg.optim.max_grad_norm)
@@ -398,6 +436,8 @@ class TrainingRun:
                     minutes = {} if cfg.max_minutes is None else {"min": f"{clock.used:.1f}/{cfg.max_minutes:g}"}
                     bar.set_postfix(loss=f"{row['loss']:.3f}", top1=f"{row['top1']:.2f}", **minutes)
                     tokens_seen, window_start = 0, time.perf_counter()
+                if self.onpolicy is not None and self.onpolicy.due(step) and not last:
+                    self.emit({"step": step, **self.roll_out()})
                 if step % cfg.eval_every == 0 or last:
                     self.emit({"step": step, **self.evaluate()})
                 if step % cfg.save_every == 0 or last:

@@ -28,6 +28,7 @@ from specheads.inference.engine.constraint import GrammarConstraint
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.grammar import grammar_from_request
 from specheads.inference.engine.proposer import Proposer
+from specheads.inference.engine.rollout import Rollout, rollout
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.stats import GenerationStats
 from specheads.inference.methods import METHODS, DraftLoader, make_proposer
@@ -453,9 +454,23 @@ def measure_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequ
                     max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                     load_draft: DraftLoader | None = None) -> MethodSummary:
     """Measured τ of the drafter of `kind` saved at `path` on `prompts`, with nothing grafted on and its whole trees
-    verified (`Method.heads_alone`: the heads' own τ, the same on every machine). Training's one entry into
-    inference: a recipe's measured-τ step calls this and nothing else of the engine."""
+    verified (`Method.heads_alone`: the heads' own τ, the same on every machine). One of training's two entries into
+    inference (with `rollout_drafter`): a recipe calls these and nothing else of the engine."""
+    return measure(target, _drafter_alone(target, kind, path, load_draft), prompts, max_new_tokens=max_new_tokens,
+                   stop_token_ids=stop_token_ids, name=kind)
+
+
+def rollout_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequence[Sequence[int]], *,
+                    max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                    temperature: float = 0.0, seed: int | None = None, rows: int = 8) -> list[Rollout]:
+    """`prompts` decoded `rows` at a time with the drafter of `kind` saved at `path`, alone as `measure_drafter`
+    runs it, with where each step's draft failed (`rollout.py`): a recipe's on-policy phase. Greedy at temperature
+    0; else sampled, each prompt's draws seeded from `seed` and its place."""
+    sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else SamplingParams()
+    return rollout(target, _drafter_alone(target, kind, path, None), prompts, max_new_tokens=max_new_tokens,
+                   stop_token_ids=stop_token_ids, sampling=sampling, rows=rows)
+
+
+def _drafter_alone(target: PreTrainedModel, kind: str, path: str, load_draft: DraftLoader | None) -> Proposer:
     method = METHODS.get(kind)  # a drafter kind's decoding method carries its name
-    proposer = method.builder()(target, method.heads_alone(path), load_draft)
-    return measure(target, proposer, prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                   name=kind)
+    return method.builder()(target, method.heads_alone(path), load_draft)
