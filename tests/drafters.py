@@ -125,6 +125,19 @@ def _xpress(target: nn.Module, **settings: Any) -> nn.Module:
     return head.to(target.device).eval()
 
 
+def _domino(target: nn.Module, **settings: Any) -> nn.Module:
+    from specheads.heads.domino import DominoConfig, DominoHead
+
+    torch.manual_seed(0)
+    vocab, hidden = target.get_output_embeddings().weight.shape
+    config = DominoConfig(hidden_size=hidden, vocab_size=vocab, aux_layers=(1, 2, 3), num_layers=2, block_size=4,
+                          mask_token_id=vocab - 1, gru_hidden_dim=16, emb_dim=8, **settings)
+    head = perturbed(DominoHead(config, target), scale=0.05)
+    with torch.no_grad():  # a correction that changes drafts, path by path (a fresh one is zero)
+        head.domino_head.embed_proj[2].weight.normal_(std=2.0, generator=torch.Generator().manual_seed(1))
+    return head.to(target.device).eval()
+
+
 @dataclass(frozen=True)
 class DrafterCase:
     make: Callable[[nn.Module], nn.Module]  # untrained heads of the kind for a tiny target, on its device
@@ -147,6 +160,8 @@ DRAFTERS: dict[str, DrafterCase] = {
     "dflash2": DrafterCase(_dflash2, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                       {"draft_dtype": "int8", "lookup": 0}]),
     "xpress": DrafterCase(_xpress, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
+                                    {"draft_dtype": "int8", "lookup": 0}]),
+    "domino": DrafterCase(_domino, [{"lookup": 0}, {}, {"tree": "eagle2", "lookup": 0}, {"depth": 2, "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),
     "medusa": DrafterCase(_medusa, [{"lookup": 0}, {}, {"tree": "medusa-32", "lookup": 0},
                                     {"draft_dtype": "int8", "lookup": 0}]),

@@ -164,8 +164,9 @@ def test_the_targets_table_is_the_suites_matrix():
 RECIPES = {"eagle": {}, "eagle3": {"aux_layers": (1, 2, 3)}, "peagle": {"aux_layers": (1, 2, 3)},
            "dflash": {"aux_layers": (1, 2, 3)}, "dspark": {"aux_layers": (1, 2, 3), "markov_rank": 8},
            "xpress": {"aux_layers": (1, 2, 3), "xpress_rank": 8}, "medusa": {},
-           "dflash2": {"aux_layers": (1, 2, 3), "selector_rank": 8, "selector_top_k": 6}}
-FULL_VOCAB = ("dflash2",)  # recipes that score the target's whole vocabulary (no draft vocabulary)
+           "dflash2": {"aux_layers": (1, 2, 3), "selector_rank": 8, "selector_top_k": 6},
+           "domino": {"aux_layers": (1, 2, 3), "gru_hidden_dim": 16, "emb_dim": 8}}
+FULL_VOCAB = ("dflash2", "domino")  # recipes that score the target's whole vocabulary (no draft vocabulary)
 
 
 def answers(n: int = 4, length: int = 24) -> dict[str, torch.Tensor]:

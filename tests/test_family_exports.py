@@ -27,7 +27,7 @@ SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"
 # Qwen3's per-head q/k norms, which speculators' Qwen3 layers hold but SGLang's Llama layers do not. Block drafters
 # (DFlash, DSpark, XPress) have layers of their own (speculators' Qwen3 DFlash layer), which every family fits.
 UNHELD = {("qwen3", "sglang"): "self_attn.q_norm.weight"}
-OWN_LAYERS = ("dflash", "dflash2", "dspark", "xpress")
+OWN_LAYERS = ("dflash", "dflash2", "domino", "dspark", "xpress")
 
 
 def layer_type(arch: str) -> str:
@@ -113,6 +113,7 @@ def check_vllm_medusa(arch, target, heads, config):
 NAMES = {("speculators", "eagle3"): check_speculators, ("speculators", "peagle"): check_speculators,
          ("speculators", "dflash"): check_speculators, ("speculators", "dspark"): check_speculators,
          ("speculators", "xpress"): check_speculators, ("speculators", "dflash2"): check_speculators,
+         ("speculators", "domino"): check_speculators,
          ("sglang", "eagle3"): check_sglang_eagle3,
          ("sglang", "eagle"): check_sglang_eagle, ("vllm-medusa", "medusa"): check_vllm_medusa}
 
@@ -141,6 +142,7 @@ def test_speculators_loads_every_familys_export_and_drafts_the_same_logits(famil
     from tests.specheads.formats import (
         test_dflash2_interop,
         test_dflash_interop,
+        test_domino_export,
         test_dspark_interop,
         test_eagle3_interop,
         test_peagle_interop,
@@ -148,7 +150,8 @@ def test_speculators_loads_every_familys_export_and_drafts_the_same_logits(famil
     )
 
     peers = {"eagle3": test_eagle3_interop, "peagle": test_peagle_interop, "dflash": test_dflash_interop,
-             "dspark": test_dspark_interop, "xpress": test_xpress_interop, "dflash2": test_dflash2_interop}
+             "dspark": test_dspark_interop, "xpress": test_xpress_interop, "dflash2": test_dflash2_interop,
+             "domino": test_domino_export}  # speculators' releases load Domino's backbone: its base logits
     arch, target, _ = family
     heads, _ = exported(family, "speculators", kind, tmp_path)
     theirs, want = peers[kind].export_logits(tmp_path / "out", heads, target)

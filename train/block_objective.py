@@ -40,6 +40,14 @@ class BlockTraining(PositionWeighting):
             raise ValueError(f"heads.max_anchors must be >= 1, got {self.max_anchors}")
 
 
+def require_full_vocabulary(cfg, recipe: str, why: str) -> None:
+    """Refuse a draft vocabulary for a recipe whose drafter scores the target's whole vocabulary (`why`), before any
+    data is read (an objective's `check`)."""
+    if cfg.draft_vocab_size is not None:
+        raise ValueError(f"recipe {recipe} {why}, but draft_vocab_size is {cfg.draft_vocab_size}; set "
+                         "draft_vocab_size: null")
+
+
 def answer_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:  # [B, T] bool: tokens whose prediction counts
     return (batch["loss_mask"] * batch["attention_mask"]).bool()
 

@@ -20,7 +20,15 @@ import torch.nn.functional as F
 
 from specheads.heads.dflash2 import KIND_NAME, DFlash2Block, DFlash2Config, DFlash2Head
 from specheads.heads.fused_head import declared_by
-from specheads.train.block_objective import BlockStep, BlockTraining, block_eval, block_loss, block_step, block_tokens
+from specheads.train.block_objective import (
+    BlockStep,
+    BlockTraining,
+    block_eval,
+    block_loss,
+    block_step,
+    block_tokens,
+    require_full_vocabulary,
+)
 from specheads.train.chain_loss import chain_eval_row
 from specheads.train.fused_heads import FusedHeadsConfig
 from specheads.train.objective import Objective, register_objective
@@ -45,10 +53,8 @@ def build_dflash2(settings: DFlash2HeadsConfig, target: torch.nn.Module,
 
 
 def check_dflash2_config(settings: DFlash2HeadsConfig, cfg: Any) -> None:
-    if cfg.draft_vocab_size is not None:  # refused before any data is read
-        raise ValueError(f"recipe dflash2 scores the target's whole vocabulary with its own LM head, as speculators' "
-                         f"dflash2 requires, but draft_vocab_size is {cfg.draft_vocab_size}; set draft_vocab_size: "
-                         "null")
+    require_full_vocabulary(cfg, KIND_NAME, "scores the target's whole vocabulary with its own LM head, as "
+                                            "speculators' dflash2 requires")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from specheads.inference.methods import (  # noqa: F401  (each registers its met
     ar,
     dflash,
     dflash2,
+    domino,
     draft,
     dspark,
     eagle,

@@ -26,7 +26,7 @@ def write_speculators(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> lis
 
 
 def _detect(meta: Mapping[str, Any], names: set[str]) -> bool:
-    return meta.get("speculators_model_type") == KIND_NAME
+    return meta.get("speculators_model_type") == KIND_NAME and meta.get("projector_type", KIND_NAME) == KIND_NAME
 
 
 def read_speculators(folder: Path, meta: Mapping[str, Any], state: dict[str, torch.Tensor],

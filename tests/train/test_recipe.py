@@ -274,7 +274,7 @@ def test_each_recipe_reads_its_own_heads_section():
     with pytest.raises(ValueError, match=r"unknown config key heads.'aux_layers'"):  # an eagle setting
         load_train_config(None, ["recipe=medusa", "heads.aux_layers=[2,15,27]"])
     with pytest.raises(ValueError, match=r"the config names no recipe; add recipe: one of dflash, dflash2, distill, "
-                                         r"dspark, eagle, eagle3, medusa, medusa2, peagle, xpress"):
+                                         r"domino, dspark, eagle, eagle3, medusa, medusa2, peagle, xpress"):
         load_train_config(None, ["max_steps=3"])
     with pytest.raises(ValueError, match=r"unknown recipe 'eagel' \(did you mean 'eagle'\?\)"):
         load_train_config(None, ["recipe=eagel"])

@@ -1,4 +1,4 @@
-"""The block drafters (`peagle`, `dflash`, `dspark`, `xpress`, `dflash2`): the tree built from a block's
+"""The block drafters (`peagle`, `dflash`, `dspark`, `xpress`, `dflash2`, `domino`): the tree built from a block's
 distributions, one drafter forward per step for every row (each over its own context), the block's limit on depth,
 and checkpoints of another kind refused by name."""
 
@@ -18,9 +18,10 @@ BLOCK_KINDS = {"peagle": (5, "draft blocks of 4 tokens; use --depth 4 or less"),
                "dflash": (4, "fills blocks of 4 .* use --depth 3 or less"),
                "dspark": (5, "fills blocks of 4 .* use --depth 4 or less"),
                "xpress": (4, "fills blocks of 4 .* use --depth 3 or less"),
-               "dflash2": (4, "fills blocks of 4 .* use --depth 3 or less")}
+               "dflash2": (4, "fills blocks of 4 .* use --depth 3 or less"),
+               "domino": (5, "fills blocks of 4 .* use --depth 4 or less")}
 # their context: every committed token but the last, projected or still pending
-CONTEXT_KINDS = ("dflash", "dspark", "xpress", "dflash2")
+CONTEXT_KINDS = ("dflash", "dspark", "xpress", "dflash2", "domino")
 
 
 @pytest.fixture(scope="module")
