@@ -5,8 +5,8 @@ Offline data teaches the drafter the target's next token after text someone else
 after the target's own text, and τ is lost where it fails there. With `onpolicy.every: N`, the recipe:
 
 1. every N optimizer steps, saves the drafter as it stands and decodes `onpolicy.prompts` training prompts with it in
-   the engine (`rows` at a time, exact: greedy rollouts are the target's own greedy text), recording each step's
-   draft outcome (`specheads.inference.engine.rollout`);
+   the engine (`rows` at a time, drafting chains; exact: greedy rollouts are the target's own greedy text),
+   recording each step's draft outcome (`specheads.inference.engine.rollout`);
 2. keeps each rollout (prompt and output) as a training row whose loss mask covers, with `train_on: rejected`, each
    failing step's tokens from its root through the first rejected position (the block the drafter drafted there, as
    far as acceptance reached: the root is the anchor P-EAGLE's and EAGLE's entries are counted by, the drafted

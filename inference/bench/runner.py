@@ -464,13 +464,16 @@ def rollout_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequ
                     max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                     temperature: float = 0.0, seed: int | None = None, rows: int = 8) -> list[Rollout]:
     """`prompts` decoded `rows` at a time with the drafter of `kind` saved at `path`, alone as `measure_drafter`
-    runs it, with where each step's draft failed (`rollout.py`): a recipe's on-policy phase. Greedy at temperature
-    0; else sampled, each prompt's draws seeded from `seed` and its place."""
+    runs it but drafting chains (a token per level: a verify of `rows` whole trees costs several times a step of
+    chains on a CPU, and where a chain fails is where the drafter's own first guess did), with where each step's
+    draft failed (`rollout.py`): a recipe's on-policy phase. Greedy at temperature 0; else sampled, each prompt's
+    draws seeded from `seed` and its place."""
     sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else SamplingParams()
-    return rollout(target, _drafter_alone(target, kind, path, None), prompts, max_new_tokens=max_new_tokens,
-                   stop_token_ids=stop_token_ids, sampling=sampling, rows=rows)
+    return rollout(target, _drafter_alone(target, kind, path, None, chain=True), prompts,
+                   max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, sampling=sampling, rows=rows)
 
 
-def _drafter_alone(target: PreTrainedModel, kind: str, path: str, load_draft: DraftLoader | None) -> Proposer:
+def _drafter_alone(target: PreTrainedModel, kind: str, path: str, load_draft: DraftLoader | None,
+                   chain: bool = False) -> Proposer:
     method = METHODS.get(kind)  # a drafter kind's decoding method carries its name
-    return method.builder()(target, method.heads_alone(path), load_draft)
+    return method.builder()(target, method.heads_alone(path, chain), load_draft)

@@ -76,11 +76,13 @@ class Method:
             raise ValueError(f"{flag(name)} takes {'an integer' if kind is int else 'a number'}, "
                              f"got {text!r}") from None
 
-    def heads_alone(self, path: str) -> Any:
+    def heads_alone(self, path: str, chain: bool = False) -> Any:
         """Options for the drafter saved at `path` with nothing grafted on and its whole trees verified (what
-        training measures: the heads' own τ, the same on every machine)."""
+        training measures: the heads' own τ, the same on every machine); with `chain`, drafting one token per level
+        where the method builds trees."""
         return self.make_options({self.arg: path, **({"lookup": 0} if self.takes("lookup") else {}),
-                                  **({"node_budget": "fixed"} if self.takes("node_budget") else {})})
+                                  **({"node_budget": "fixed"} if self.takes("node_budget") else {}),
+                                  **({"topk": 1} if chain and self.takes("topk") else {})})
 
 
 METHODS: Registry[Method] = Registry("method", builtins="specheads.inference.methods.builtin")
