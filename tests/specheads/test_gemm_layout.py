@@ -113,10 +113,11 @@ def test_packed_keeps_values_names_and_ties_and_computes_what_row_major_does():
     with torch.inference_mode():
         for n, logits in zip((1, 3, 8), want):
             torch.testing.assert_close(model(ids[:, :n]).logits, logits)  # bf16's own tolerance
-    clone = copy.deepcopy(model)  # the packed copies have no storage: the clone packs its own
-    assert linear_layout(clone) == "packed" and clone.lm_head.packed_weight is not model.lm_head.packed_weight
+    clone = copy.deepcopy(model)  # the packed copies have no storage: the clone packs its own, at its first product
+    assert linear_layout(clone) == "packed" and "packed_weight" not in vars(clone.lm_head)
     with torch.inference_mode():
         torch.testing.assert_close(clone(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert clone.lm_head.packed_weight is not model.lm_head.packed_weight
     set_linear_layout(model, "row")
     assert linear_layout(model) == "row" and type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
 
