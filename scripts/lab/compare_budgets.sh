@@ -5,14 +5,19 @@
 #   MINUTES=10 QUESTIONS=mt_bench.jsonl scripts/lab/compare_budgets.sh runs/budgets \
 #       "defaults:" "warmup10:optim.warmup_steps=10" "batch2:optim.batch_size=2 optim.warmup_steps=10"
 #   STEPS=300 DTYPE=bfloat16 QUESTIONS=mt_bench.jsonl PER_CATEGORY=2 scripts/lab/compare_budgets.sh runs/auf \
-#       "base:" "auf:heads.accept_until_fail=true" "base-s1:seed=1" "auf-s1:seed=1 heads.accept_until_fail=true"
+#       "base:" "auf:heads.accept_until_fail=true" "base-s1:seed=1 data.split_seed=0" \
+#       "auf-s1:seed=1 data.split_seed=0 heads.accept_until_fail=true"
+#   STEPS=300 ... scripts/lab/compare_budgets.sh runs/op "op:onpolicy.every=50"   # training on its own mistakes
+#
+# (`data.split_seed=0` keeps a seed variant on the same rows, so it reads the features the first variant cached.)
 #
 # Each NAME:OVERRIDES trains configs/peagle-smollm2-cpu.yaml on the main job's data (600 conversations, so every
 # variant holds out the same ones), one after another on an otherwise idle machine: with MINUTES (default 10),
 # features computed online and max_minutes=MINUTES; with STEPS, max_steps=STEPS on features cached once for every
 # variant (OUT/features). Then one interleaved bench of ar and every variant's heads, plus EXTRA_METHODS, on
 # QUESTIONS (PER_CATEGORY of each category, default 1; MAX_NEW tokens, default 128) in DTYPE (default float32:
-# greedy, exact). τ there comes from exact counts; each variant's steps and evaluation are in OUT/NAME/metrics.jsonl.
+# greedy, exact). τ there comes from exact counts; each variant's steps and evaluation are in OUT/NAME/metrics.jsonl,
+# its training wall time in OUT/NAME/train_seconds.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=$1
@@ -27,8 +32,10 @@ for variant in "$@"; do
         budget=(max_steps=100000 features=online "max_minutes=${MINUTES:-10}")
     fi
     echo "==> $name: ${overrides[*]:-(recipe defaults)} for ${STEPS:-${MINUTES:-10} minutes}${STEPS:+ steps}"
+    start=$SECONDS
     .venv/bin/python -m specheads.train configs/peagle-smollm2-cpu.yaml "output_dir=$out/$name" "${budget[@]}" \
         eval_every=100000 save_every=100000 data.max_conversations=600 "${overrides[@]}"
+    echo "$((SECONDS - start))" > "$out/$name/train_seconds.txt"  # the feature cache included where written
     methods="$methods,peagle:$out/$name/final"
 done
 [[ -n "${EXTRA_METHODS:-}" ]] && methods="$methods,$EXTRA_METHODS"
