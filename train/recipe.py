@@ -357,14 +357,12 @@ class TrainingRun:
         accelerator = self.accelerator
         folder = self.out / "onpolicy" / f"heads-{accelerator.process_index}"
         model = accelerator.unwrap_model(self.head)
-        self.objective.save(model, folder, target=self.target, tokenizer=self.tokenizer, target_name=self.cfg.target,
-                            config=self.objective.final_config(model, None), metadata={})
-        model.eval()
-        try:
-            figures = self.onpolicy.roll_out(self.target, self.objective.kind, folder,
-                                             stop_token_ids(self.tokenizer, self.target))
-        finally:
-            model.train()
+        with whole_parameters(accelerator, self.head):  # under ZeRO-3 each process holds a part: gathered to save
+            self.objective.save(model, folder, target=self.target, tokenizer=self.tokenizer,
+                                target_name=self.cfg.target, config=self.objective.final_config(model, None),
+                                metadata={})
+        figures = self.onpolicy.roll_out(self.target, self.objective.kind, folder,
+                                         stop_token_ids(self.tokenizer, self.target))
         # every process's rollout figures, averaged (each decoded its own prompts)
         mean = accelerator.reduce(torch.tensor(list(figures.values()), device=accelerator.device), reduction="mean")
         return dict(zip(figures, mean.tolist()))
