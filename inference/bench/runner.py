@@ -456,7 +456,7 @@ def measure_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequ
     """Measured τ of the drafter of `kind` saved at `path` on `prompts`, with nothing grafted on and its whole trees
     verified (`Method.heads_alone`: the heads' own τ, the same on every machine). One of training's two entries into
     inference (with `rollout_drafter`): a recipe calls these and nothing else of the engine."""
-    return measure(target, _drafter_alone(target, kind, path, load_draft), prompts, max_new_tokens=max_new_tokens,
+    return measure(target, drafter_alone(target, kind, path, load_draft), prompts, max_new_tokens=max_new_tokens,
                    stop_token_ids=stop_token_ids, name=kind)
 
 
@@ -469,11 +469,13 @@ def rollout_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequ
     draft failed (`rollout.py`): a recipe's on-policy phase. Greedy at temperature 0; else sampled, each prompt's
     draws seeded from `seed` and its place."""
     sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else SamplingParams()
-    return rollout(target, _drafter_alone(target, kind, path, None, chain=True), prompts,
+    return rollout(target, drafter_alone(target, kind, path, None, chain=True), prompts,
                    max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, sampling=sampling, rows=rows)
 
 
-def _drafter_alone(target: PreTrainedModel, kind: str, path: str, load_draft: DraftLoader | None,
-                   chain: bool = False) -> Proposer:
+def drafter_alone(target: PreTrainedModel, kind: str, path: str, load_draft: DraftLoader | None,
+                  chain: bool = False) -> Proposer:
+    """The proposer of the drafter of `kind` saved at `path` with nothing grafted on and its whole trees verified
+    (`Method.heads_alone`), or drafting chains."""
     method = METHODS.get(kind)  # a drafter kind's decoding method carries its name
     return method.builder()(target, method.heads_alone(path, chain), load_draft)
