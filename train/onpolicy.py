@@ -89,15 +89,15 @@ def replay_row(out: Rollout, train_on: str) -> dict[str, list[int]] | None:
 
 
 def rollout_prompts(input_ids: Sequence[Sequence[int]], loss_mask: Sequence[Sequence[int]],
-                    max_prompt: int) -> list[int]:
-    """Indices of the conversations whose prompt (everything before the first assistant token) is at most
-    `max_prompt` tokens long, so prompt and rollout fit the run's `data.max_length`."""
-    keep = []
-    for i, mask in enumerate(loss_mask):
+                    max_prompt: int) -> list[list[int]]:
+    """The conversations' prompts (everything before the first assistant token) of at most `max_prompt` tokens, so
+    prompt and rollout fit the run's `data.max_length`."""
+    prompts = []
+    for ids, mask in zip(input_ids, loss_mask):
         first = next((j for j, m in enumerate(mask) if m), 0)
         if 0 < first <= max_prompt:
-            keep.append(i)
-    return keep
+            prompts.append(list(ids[:first]))
+    return prompts
 
 
 class OnPolicy:
@@ -108,14 +108,13 @@ class OnPolicy:
                  *, max_length: int, seed: int, process: int, processes: int) -> None:
         self.cfg = cfg
         self.seed, self.process = seed, process
-        candidates = rollout_prompts(input_ids, loss_mask, max_length - cfg.max_new_tokens)
-        if not candidates:
+        prompts = rollout_prompts(input_ids, loss_mask, max_length - cfg.max_new_tokens)
+        if not prompts:
             raise ValueError(f"no training conversation has a prompt of at most data.max_length - "
                              f"onpolicy.max_new_tokens = {max_length - cfg.max_new_tokens} tokens; raise "
                              "data.max_length or lower onpolicy.max_new_tokens")
-        order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed)).tolist()
-        mine = [candidates[i] for i in order][process::processes] or [candidates[order[0]]]
-        self.prompts = [list(input_ids[i][: next(j for j, m in enumerate(loss_mask[i]) if m)]) for i in mine]
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
+        self.prompts = [prompts[i] for i in order][process::processes] or [prompts[order[0]]]
         self.cursor = 0  # prompts used so far (they cycle)
         self.rollouts = 0
         self.buffer: list[dict[str, list[int]]] = []
