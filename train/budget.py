@@ -54,6 +54,12 @@ class TrainingClock:
             self.used = self._sync(self._before + (time.monotonic() - self._start) / 60.0)
         return self.used
 
+    def run_progress(self, step: int, max_steps: int) -> float:
+        """The share of the run's budget spent before optimizer step `step` (0: the first), in [0, 1]: by steps or by
+        minutes, whichever is further along (the LR decay's rule, counted here from the run's start)."""
+        by_minutes = 0.0 if self.max_minutes is None else self.used / self.max_minutes
+        return min(1.0, max(step / max(1, max_steps), by_minutes))
+
     def end_warmup(self) -> None:
         if self.warmup_end is None:
             self.warmup_end = self.used

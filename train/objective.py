@@ -76,6 +76,10 @@ class Objective:
     # (DeepSpeed ZeRO-3, `sharding.py`). It must register no module it shares with the target (the target stays
     # whole) and run the same forwards in every process (gathering a layer's weights is collective).
     check_partitioned: Callable[[Any], None] | None = None
+    # (module, the share of the run's budget spent, 0 -> 1) -> None: called before each optimizer step's losses, for a
+    # loss that follows the run's schedule (Domino's curriculum); the share counts steps or minutes, whichever is
+    # further along (`TrainingClock.run_progress`), so a resumed run goes on from its checkpoint's step and minutes
+    run_progress: Callable[[nn.Module, float], None] | None = None
 
     @property
     def decodes_as_saved(self) -> bool:

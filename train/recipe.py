@@ -403,6 +403,9 @@ class TrainingRun:
                     if self.onpolicy is not None:  # rollout rows join the batch
                         batch, replayed = self.onpolicy.replay(batch, progress.step + 1, self.pad, self.target,
                                                                self.feature_layers)
+                    if self.objective.run_progress is not None:
+                        self.objective.run_progress(accelerator.unwrap_model(head),
+                                                    clock.run_progress(progress.step, cfg.max_steps))
                     loss, stats = self.objective.step_loss(head, self.target, batch, cfg.heads)
                     if replayed is not None:  # on every process alike (their statistics are reduced together)
                         stats["replay_rows"] = float(replayed)

@@ -36,9 +36,6 @@ from specheads.kinds import DrafterKind, register_kind
 
 KIND_NAME = "domino"
 _LM_HEAD = "lm_head."  # the target's own LM head: frozen, never saved
-# Training's count of step losses: the recipe's checkpoints carry it (state dicts hold buffers), the drafter's own
-# checkpoint and exports never do (listed as a shared prefix, so neither saved nor expected when loading).
-TRAINED_BATCHES = "trained_batches"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +139,9 @@ class DominoCorrection(nn.Module):
 
 class DominoHead(BlockDrafterHead):
     config: DominoConfig
-    trained_batches: torch.Tensor  # [] long: step losses computed so far (`train.domino`'s curriculum reads it)
+    # The share of its training run spent (0 -> 1), set by the recipe before each step (`train.domino`'s curriculum
+    # reads it). Not a tensor: a resumed run's checkpoint gives it back (steps, minutes); a drafter keeps none.
+    run_progress: float
 
     def __init__(self, config: DominoConfig, target: nn.Module) -> None:
         super().__init__(config, target)
@@ -152,7 +151,7 @@ class DominoHead(BlockDrafterHead):
         self.domino_head = DominoCorrection(config.hidden_size, config.gru_hidden_dim, config.emb_dim,
                                             config.vocab_size)
         self._to_target_dtype(target)
-        self.register_buffer(TRAINED_BATCHES, torch.zeros((), dtype=torch.long))
+        self.run_progress = 0.0
 
     def gru_states(self, prev: torch.Tensor) -> torch.Tensor:
         """Teacher forcing: every slot's GRU state [..., B, G] from the blocks' previous tokens [..., B] (the anchor,
@@ -179,7 +178,7 @@ class DominoHead(BlockDrafterHead):
 
 register_kind(DrafterKind(
     name=KIND_NAME, config=DominoConfig, build=DominoHead, module=DominoHead,
-    shared_prefixes=(_LM_HEAD, TRAINED_BATCHES),
+    shared_prefixes=(_LM_HEAD,),
     summary="Domino block drafter: DFlash's block plus a GRU over each slot's drafted prefix correcting its logits "
             "(speculators' DFlash layout with projector_type domino)",
 ))

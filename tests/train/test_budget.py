@@ -1,5 +1,6 @@
 """The training budget: transformers' warmup schedules value for value without minutes; with minutes, a decay that
-follows the clock from the warmup's end to 0 at `max_minutes`, a stop there, and a clock a checkpoint resumes."""
+follows the clock from the warmup's end to 0 at `max_minutes`, a stop there, a clock a checkpoint resumes, and the
+share of the run spent."""
 
 from __future__ import annotations
 
@@ -99,3 +100,20 @@ def test_every_process_takes_the_main_processs_reading(monkeypatch):
     untimed = TrainingClock(None, sync=lambda minutes: pytest.fail("no time budget: no collective per step"))
     untimed.start()
     assert untimed.tick() == 0.0 and not untimed.spent
+
+
+def test_the_runs_progress_is_its_steps_or_its_minutes_whichever_is_further(monkeypatch):
+    """What a loss that follows the run's schedule reads (Domino's λ): the share of steps before a step, or of
+    minutes where a time budget is further along; never past 1."""
+    assert [TrainingClock(None).run_progress(s, 8) for s in (0, 2, 8, 9)] == [0.0, 0.25, 1.0, 1.0]
+    fake = FakeTime(monkeypatch)
+    clock = TrainingClock(10.0)
+    clock.start()
+    start = fake.now
+    fake.at_minute(start, 6.0)
+    clock.tick()
+    assert clock.run_progress(2, 1000) == pytest.approx(0.6)  # the minutes lead
+    assert clock.run_progress(900, 1000) == pytest.approx(0.9)  # the steps lead
+    fake.at_minute(start, 12.0)
+    clock.tick()
+    assert clock.run_progress(2, 1000) == 1.0

@@ -1,17 +1,20 @@
 """The Domino objective: the GRU is torch's own (the reference implementations'), a fresh drafter's logits are
-DFlash's (with the target's frozen LM head), λ's schedule and the step count it reads (recorded by the recipe,
-carried by checkpoints, never saved with the drafter), the loss by hand, AUF on the base branch only, the loss falling
+DFlash's (with the target's frozen LM head), λ's schedule over the share of the run the recipe hands it (never saved
+with the drafter), the loss by hand, AUF on the base branch only, the loss falling
 in a few steps, evaluation's sums, and bad settings refused by name."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from specheads.heads.checkpoint import TargetInfo, load_drafter, save_drafter
+from specheads.heads.checkpoint import load_drafter
 from specheads.heads.domino import DominoConfig, DominoHead
+from specheads.train.__main__ import main as train_main
 from specheads.train.block_objective import block_outputs, block_step
 from specheads.train.config import load_train_config
 from specheads.train.domino import (
@@ -19,22 +22,15 @@ from specheads.train.domino import (
     build_domino,
     domino_eval,
     domino_step_loss,
-    lambda_schedule,
-    next_lambda,
 )
 from specheads.train.features import batch_features, last_layer
-from tests.conftest import text_batch, tiny_model
+from tests.conftest import base_args, text_batch, tiny_model
 from tests.drafters import _domino
 
 
 @pytest.fixture(scope="module")
 def target():
     return tiny_model("llama", seed=0)
-
-
-def with_budget(settings: DominoHeadsConfig, max_steps: int, grad_accum: int = 1) -> DominoHeadsConfig:
-    object.__setattr__(settings, "run_budget", (max_steps, grad_accum))  # as the recipe's check records it
-    return settings
 
 
 @torch.no_grad()
@@ -64,33 +60,29 @@ def test_a_fresh_drafter_drafts_as_dflash_and_the_correction_starts_at_the_prefi
     assert not torch.allclose(logits[:, 2:], base[:, 2:])
 
 
-def test_lambda_falls_linearly_over_its_share_of_the_run():
-    assert [lambda_schedule(s, 100, 1.0, 1.0) for s in (0, 25, 50, 100, 150)] == [1.0, 0.75, 0.5, 0.0, 0.0]
-    assert [lambda_schedule(s, 100, 1.0, 0.5) for s in (0, 25, 50, 80)] == [1.0, 0.5, 0.0, 0.0]
-    assert lambda_schedule(25, 100, 0.8, 1.0) == pytest.approx(0.6)
-    assert [lambda_schedule(s, 100, 0.7, 0.0) for s in (0, 50, 100)] == [0.7] * 3  # ratio 0: held at its start
-    assert [lambda_schedule(s, 1, 1.0, 0.5) for s in (0, 1)] == [1.0, 0.0]  # at least one step of decay
-    assert DominoHeadsConfig(lambda_base_start=0.4).lambda_base(10) == 0.4  # outside a run: held at its start
+def test_lambda_falls_linearly_over_its_share_of_the_run(target):
+    def lam(start: float, ratio: float, progress: float) -> float:
+        return DominoHeadsConfig(lambda_base_start=start, lambda_base_decay_ratio=ratio).lambda_base(progress)
+
+    assert [lam(1.0, 1.0, p) for p in (0, 0.25, 0.5, 1.0)] == [1.0, 0.75, 0.5, 0.0]
+    assert [lam(1.0, 0.5, p) for p in (0, 0.25, 0.5, 0.8)] == [1.0, 0.5, 0.0, 0.0]
+    assert lam(0.8, 1.0, 0.25) == pytest.approx(0.6)
+    assert [lam(0.7, 0.0, p) for p in (0, 0.5, 1.0)] == [0.7] * 3  # ratio 0: held at its start
+    assert build_domino(DominoHeadsConfig(aux_layers=(1, 2, 3)), target).run_progress == 0.0  # outside a run
 
 
-def test_the_recipe_records_its_budget_and_the_drafter_counts_its_step_losses(target, tmp_path):
-    cfg = load_train_config(None, ["recipe=domino", "draft_vocab_size=null", "max_steps=10", "optim.grad_accum=2"])
-    settings = cfg.heads
-    assert settings.run_budget == (10, 2) and DominoHeadsConfig.run_budget is None
-    head = build_domino(DominoHeadsConfig(aux_layers=(1, 2, 3)), target)
-    # grad_accum 2: two step losses per optimizer step
-    assert [next_lambda(head, settings) for _ in range(6)] == pytest.approx([1.0, 1.0, 0.9, 0.9, 0.8, 0.8])
-    assert int(head.trained_batches) == 6
-    # a resumed run's module loads the count from the checkpoint's state dict and carries on
-    resumed = build_domino(DominoHeadsConfig(aux_layers=(1, 2, 3)), target)
-    resumed.load_state_dict(head.state_dict())
-    assert next_lambda(resumed, settings) == pytest.approx(0.7)
-    # the drafter's own checkpoint leaves the count out, and loads without it
-    save_drafter(tmp_path, head, TargetInfo.from_model(target, "tiny"))
-    from safetensors.torch import load_file
-
-    assert "trained_batches" not in load_file(tmp_path / "model.safetensors")
-    assert int(load_drafter(tmp_path, target).trained_batches) == 0
+def test_the_recipe_hands_lambda_the_share_of_the_run_and_the_drafter_keeps_none(tiny_run_inputs, tmp_path):
+    """λ follows the recipe's steps (its minutes are `TrainingClock.run_progress`'s, tested with the clock); the saved
+    drafter holds no trace of the schedule, and loads fresh."""
+    out = tmp_path / "run"
+    assert train_main(base_args(tiny_run_inputs, out, "recipe=domino", "heads.aux_layers=[1,2,3]",
+                                "draft_vocab_size=null", "max_steps=4", "save_every=4", "measure_prompts=0",
+                                "heads.gru_hidden_dim=16", "heads.emb_dim=8")) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lambda_base"] for r in rows if "lambda_base" in r] == [1.0, 0.75, 0.5, 0.25]
+    saved = load_file(out / "final" / "model.safetensors")
+    assert not any("progress" in name or "trained" in name for name in saved)
+    assert load_drafter(out / "final", tiny_model("llama", seed=0)).run_progress == 0.0
 
 
 def soft_ce(p: torch.Tensor, logits: torch.Tensor) -> float:
@@ -136,12 +128,12 @@ def by_hand(head, target, tokens, settings, lam):
 def test_the_loss_is_both_branches_weighted_by_lambda(target, auf):
     head = _domino(target).train()
     tokens = torch.randint(3, 90, (2, 16))
-    settings = with_budget(DominoHeadsConfig(block_size=4, max_anchors=3, accept_until_fail=auf), max_steps=5)
-    head.trained_batches.fill_(2)  # the third optimizer step of five: λ = 1 - 2/5
+    settings = DominoHeadsConfig(block_size=4, max_anchors=3, accept_until_fail=auf)
+    head.run_progress = 0.4  # as the recipe hands it: λ = 1 - 0.4
     torch.manual_seed(0)
     loss, stats = domino_step_loss(head, target, text_batch(tokens, answer_from=2), settings)
     want, final, base, kept = by_hand(head, target, tokens, settings, lam=0.6)
-    assert stats["lambda_base"] == pytest.approx(0.6) and int(head.trained_batches) == 3
+    assert stats["lambda_base"] == pytest.approx(0.6)
     assert stats["loss_final"] == pytest.approx(final, rel=1e-5) and stats["loss_base"] == pytest.approx(base, rel=1e-5)
     assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
     assert {"top1", "top1_pos2", "top1_pos4", "top1_base", "loss_ce"} <= stats.keys()
@@ -157,7 +149,7 @@ def test_the_correction_trains_once_lambda_lets_it(target):
     tokens = torch.randint(3, 90, (2, 16))
     for lam, trained in ((1.0, False), (0.5, True)):
         head = _domino(target).train()
-        settings = DominoHeadsConfig(block_size=4, lambda_base_start=lam)  # no run: λ held at its start
+        settings = DominoHeadsConfig(block_size=4, lambda_base_start=lam)  # no run: progress 0, λ at its start
         loss, _ = domino_step_loss(head, target, text_batch(tokens, answer_from=2), settings)
         loss.backward()
         gru, proj = head.domino_head.prefix_gru.weight_hh_l0.grad, head.domino_head.embed_proj[2].weight.grad
@@ -170,13 +162,14 @@ def test_a_few_steps_lower_the_loss(target):
     starts = torch.randint(3, 60, (4, 1), generator=g)
     ids = (starts + 3 * torch.arange(24)) % 93 + 3  # counting up by 3: learnable
     batch = text_batch(ids, answer_from=4)
-    settings = with_budget(DominoHeadsConfig(aux_layers=(1, 2, 3), block_size=4, gru_hidden_dim=16, emb_dim=8,
-                                             lambda_base_decay_ratio=0.5), max_steps=12)
+    settings = DominoHeadsConfig(aux_layers=(1, 2, 3), block_size=4, gru_hidden_dim=16, emb_dim=8,
+                                 lambda_base_decay_ratio=0.5)
     torch.manual_seed(0)
     head = build_domino(settings, target).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses, lams = [], []
-    for _ in range(12):
+    for step in range(12):
+        head.run_progress = step / 12  # what the recipe hands it over 12 steps
         loss, stats = domino_step_loss(head, target, batch, settings)
         loss.backward()
         optimizer.step()
