@@ -210,6 +210,21 @@ def block_setting(cfg: BlockDrafterConfig) -> str:
     return "block_size, the anchor's slot included" if cfg.first_slot == 0 else "block_size - 1, the anchor aside"
 
 
+def refuse_own_full_vocabulary_head(cfg: BlockDrafterConfig, state: Mapping[str, torch.Tensor],
+                                    ctx: ExportContext) -> None:
+    """speculators (`DFlashDraftModel`, and so every block kind built on it) neither saves nor loads the LM head of a
+    drafter that scores the whole vocabulary: it puts its verifier's in place. A full-vocabulary drafter whose head
+    was trained would then serve other logits than it trained with, so such an export is refused."""
+    if cfg.draft_vocab_size != cfg.vocab_size:  # speculators' own test (`use_draft_vocab`)
+        return
+    head = state["lm_head.weight"]  # a draft vocabulary of every token lists them in order: the target's rows
+    if not torch.equal(head, ctx.target_lm_head().to(head.dtype)):
+        raise ValueError(f"this {cfg.KIND} drafter scores the whole vocabulary with an LM head it trained, and "
+                         "speculators loads a full-vocabulary block drafter with its verifier's LM head in place of "
+                         "its own, so it would serve other logits than it trained with; train it with a draft "
+                         f"vocabulary (draft_vocab_size: N below the target's {cfg.vocab_size}: its head is kept)")
+
+
 def write_block_layout(cfg: BlockDrafterConfig, state: Mapping[str, torch.Tensor], folder: Path, ctx: ExportContext,
                        *, architecture: str, setting: str,
                        extra_names: Mapping[str, tuple[int, ...]] | None = None,
@@ -219,6 +234,7 @@ def write_block_layout(cfg: BlockDrafterConfig, state: Mapping[str, torch.Tensor
     `aux_hidden_state_layer_ids`, `mask_token_id`, `sample_from_anchor` (whether the anchor's slot drafts), and
     `speculative_tokens` = the tokens a forward drafts (`setting` says which, for the refusal of more)."""
     lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
+    refuse_own_full_vocabulary_head(cfg, state, ctx)
     state = {**state, **vocab_mappings(cfg), "embed_tokens.weight": ctx.target_embedding()}
     drafted = block_speculative_tokens(ctx, cfg.drafted, cfg.KIND, setting)
     check_export(state, {**block_names(cfg, lc), **(extra_names or {})}, f"speculators {cfg.KIND} (vLLM)")

@@ -153,3 +153,26 @@ def test_an_export_of_a_drafter_with_llama_layers_loads_in_speculators(tmp_path)
     theirs, want = export_logits(folder, head, target)
     # the peer's eager attention against the head's SDPA: equal up to fp32 rounding of two kernels
     torch.testing.assert_close(theirs, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_full_vocabulary_drafter_exports_only_with_its_verifiers_head(target_dir, tmp_path):  # noqa: F811
+    """speculators loads a full-vocabulary DFlash drafter with its verifier's LM head: an export whose head was trained
+    is refused by name; one whose head is the verifier's loads and drafts the same logits there."""
+    from specheads.heads.dflash import DFlashConfig, DFlashHead
+
+    target, target_path = target_dir
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=64, vocab_size=96, aux_layers=AUX, num_layers=2, block_size=BLOCK,
+                       mask_token_id=MASK)
+    head = perturbed(DFlashHead(cfg, target), scale=0.05).eval()
+    info = TargetInfo.from_model(target, str(target_path))
+    save_drafter(tmp_path / "trained", head, info)
+    with pytest.raises(ValueError, match="LM head it trained.*draft_vocab_size"):
+        export(tmp_path / "trained", "speculators", tmp_path / "refused")
+    assert not (tmp_path / "refused" / "config.json").exists()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    save_drafter(tmp_path / "verifier-head", head, info)
+    export(tmp_path / "verifier-head", "speculators", tmp_path / "spec")
+    theirs, want = export_logits(tmp_path / "spec", head, target)
+    torch.testing.assert_close(theirs, want, rtol=1e-5, atol=1e-5)
