@@ -17,7 +17,8 @@
 # variant (OUT/features). Then one interleaved bench of ar and every variant's heads, plus EXTRA_METHODS, on
 # QUESTIONS (PER_CATEGORY of each category, default 1; MAX_NEW tokens, default 128) in DTYPE (default float32:
 # greedy, exact). τ there comes from exact counts; each variant's steps and evaluation are in OUT/NAME/metrics.jsonl,
-# its training wall time in OUT/NAME/train_seconds.txt.
+# its training wall time in OUT/NAME/train_seconds.txt. With HELD_OUT=N the same methods are benched again on N
+# ShareGPT first turns that training never reads (`--questions sharegpt-heldout`) -> OUT/bench-heldout.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=$1
@@ -39,5 +40,9 @@ for variant in "$@"; do
     methods="$methods,peagle:$out/$name/final"
 done
 [[ -n "${EXTRA_METHODS:-}" ]] && methods="$methods,$EXTRA_METHODS"
-.venv/bin/specheads bench --target default --dtype "${DTYPE:-float32}" --methods "$methods" --questions "${QUESTIONS:-humaneval}" \
-    --per-category "${PER_CATEGORY:-1}" --max-new-tokens "${MAX_NEW:-128}" --output "$out/bench" --no-plots
+bench=(.venv/bin/specheads bench --target default --dtype "${DTYPE:-float32}" --methods "$methods"
+       --max-new-tokens "${MAX_NEW:-128}" --no-plots)
+"${bench[@]}" --questions "${QUESTIONS:-humaneval}" --per-category "${PER_CATEGORY:-1}" --output "$out/bench"
+if [[ -n "${HELD_OUT:-}" ]]; then
+    "${bench[@]}" --questions sharegpt-heldout --limit "$HELD_OUT" --output "$out/bench-heldout"
+fi

@@ -1,10 +1,10 @@
-"""Our EAGLE-3 recipe against speculators' own trainer, side by side, on the default target.
+"""Our EAGLE-3 or P-EAGLE recipe against speculators' own trainer of the same kind, side by side, on the default target.
 
 Both trainers get the same conversations, the same hidden states, the same draft vocabulary, the same number of
 steps and about the same tokens per step. Each keeps its own model details, loss, optimizer and schedule, as a
 user of each would run it. The phases:
 
-1. rows and hidden states: the run's conversations (`configs/eagle3-smollm2-cpu.yaml` and its data settings),
+1. rows and hidden states: the run's conversations (`configs/<kind>-smollm2-cpu.yaml` and its data settings),
    tokenized and split here, go into speculators' offline layout (its preprocessed dataset, the training rows
    first, then the held-out ones), with the hidden states the target gives (`write_speculators_states`, what vLLM
    would have saved) -> OUT/speculators-data;
@@ -14,7 +14,8 @@ user of each would run it. The phases:
 4. our draft vocabulary as speculators' d2t/t2d -> OUT/vocab;
 5. the peer: `scripts/lab/speculators_train_cpu.py` (speculators' trainer, two settings made from the outside so it
    runs on a CPU; named in that script) on the same files, its train/validation boundary at our split's, its
-   batches packed to the tokens of our batch of conversations -> OUT/peer/<epoch>;
+   batches packed to the tokens of our batch of conversations, the drafter's shape ours (layers, aux layers, for
+   EAGLE-3 its test-time-training steps, for P-EAGLE its depths, drop-token ratios and mask token) -> OUT/peer/<epoch>;
 6. one interleaved `specheads bench` run of `ar` and both drafters, each drafting alone (`+lookup=0`) and verifying
    its whole tree (`+node_budget=fixed`: the default budget cuts a tree to what pays on the machine, so τ would
    measure the machine as much as the drafter) -> OUT/bench;
@@ -27,12 +28,17 @@ own seed keeps the plain folder names (OUT/ours, OUT/peer), the others add `-sN`
 Each phase is skipped when its output is there, so an interrupted run resumes. OUT/summary.json holds the
 settings, each trainer's wall time and tokens per step; OUT/bench/summary.md the table.
 
-    .venv/bin/python scripts/lab/compare_trainers.py                        # 200 steps on 600 conversations
-    .venv/bin/python scripts/lab/compare_trainers.py --steps 400 --conversations 1000 --out runs/trainers-long
-    .venv/bin/python scripts/lab/compare_trainers.py --peer-arg=--lr --peer-arg=0.002   # the peer at our learning rate
-    .venv/bin/python scripts/lab/compare_trainers.py --ours-variant equal-steps:heads.ttt_decay=1.0
-                                                        # also ours with one setting changed, benched beside both
-    .venv/bin/python scripts/lab/compare_trainers.py --seeds 0,1,2  # three of each: the seed spread beside the gap
+    .venv/bin/python scripts/lab/compare_trainers.py --questions mt_bench.jsonl   # 200 steps on 600 conversations
+    .venv/bin/python scripts/lab/compare_trainers.py --questions mt_bench.jsonl --steps 400 --conversations 1000 \
+        --out runs/trainers-long
+    .venv/bin/python scripts/lab/compare_trainers.py --questions mt_bench.jsonl \
+        --peer-arg=--lr --peer-arg=0.002                 # the peer at our learning rate
+    .venv/bin/python scripts/lab/compare_trainers.py --questions mt_bench.jsonl \
+        --ours-variant equal-steps:heads.ttt_decay=1.0   # also ours with one setting changed, benched beside both
+    .venv/bin/python scripts/lab/compare_trainers.py --questions mt_bench.jsonl --seeds 0,1,2
+                                                        # three of each: the seed spread beside the gap
+    .venv/bin/python scripts/lab/compare_trainers.py --kind peagle --questions mt_bench.jsonl --steps 300
+                                                        # P-EAGLE: the main job's kind, against speculators' peagle
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "eagle3-smollm2-cpu.yaml"
+KINDS = ("eagle3", "peagle")  # the kinds both trainers train on the same offline hidden states
 LAB = ROOT / "scripts" / "lab"  # the peer's trainer and the per-question table are experiments beside this one
 PYTHON = sys.executable
 
@@ -116,19 +122,28 @@ def peer_packing(data: Path, train_rows: int, tokens_per_step: float, steps: int
     return limit, math.ceil(steps / batches(limit)), batches(limit)
 
 
-def draft_vocab_files(ours: Path, out: Path) -> tuple[Path, Path]:
-    """Phase 4: our drafter's draft vocabulary as speculators' d2t/t2d .npy files."""
+def draft_vocab_files(config: dict, out: Path) -> tuple[Path, Path]:
+    """Phase 4: our drafter's draft vocabulary (its config) as speculators' d2t/t2d .npy files."""
     import numpy as np
 
-    from specheads.formats.load import read_heads
     from specheads.heads.draft_vocab import speculators_mappings
 
-    config = read_heads(ours).config
     d2t, t2d = speculators_mappings(tuple(config["draft_vocab"]), config["vocab_size"])
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "d2t.npy", d2t.numpy())
     np.save(out / "t2d.npy", t2d.numpy())
     return out / "d2t.npy", out / "t2d.npy"
+
+
+def peer_shape(kind: str, cfg, ours_config: dict) -> list[str]:
+    """The peer's arguments that give its drafter our drafter's shape, beyond layers, aux layers and vocabulary."""
+    if kind == "eagle3":
+        return ["--ttt-steps", str(cfg.heads.ttt_steps)]
+    # P-EAGLE: the block it drafts per forward, its drop-token sample and the mask token ours resolved (a pad of the
+    # target's own; speculators would otherwise pick its own by its tokenizer rules)
+    return ["--num-depths", str(cfg.heads.num_depths), "--down-sample-ratio", str(cfg.heads.down_sample_ratio),
+            "--down-sample-ratio-min", str(cfg.heads.down_sample_ratio_min),
+            "--mask-token-id", str(ours_config["mask_token_id"])]
 
 
 def peer_checkpoint(save_path: Path) -> Path | None:
@@ -165,10 +180,15 @@ def variant(text: str) -> tuple[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", choices=KINDS, default="eagle3",
+                        help="the drafter both train: configs/<kind>-smollm2-cpu.yaml and speculators' <kind> "
+                             "(default eagle3)")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each trainer (default 200)")
     parser.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations read (default 600)")
     parser.add_argument("--out", type=Path, help="output folder (default runs/trainers-<date>)")
-    parser.add_argument("--questions", default=str(ROOT.parent / "shared" / "data" / "mt_bench.jsonl"))
+    parser.add_argument("--questions", required=True,
+                        help="the bench's questions: a JSONL file (MT-bench's question.jsonl, Spec-Bench) or a named "
+                             "set (humaneval, sharegpt-heldout)")
     parser.add_argument("--per-category", type=int, default=3, help="questions of each category (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", help="the bench's dtype (default float32: exact)")
@@ -185,9 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = (args.out or ROOT / "runs" / f"trainers-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     out.mkdir(parents=True, exist_ok=True)
+    config = ROOT / "configs" / f"{args.kind}-smollm2-cpu.yaml"
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    summary["settings"] = {"steps": args.steps, "conversations": args.conversations, "config": str(CONFIG),
+    summary["settings"] = {"steps": args.steps, "conversations": args.conversations, "config": str(config),
                            "peer_args": args.peer_arg}
 
     def save() -> None:
@@ -198,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
 
     overrides = [f"data.max_conversations={args.conversations}", f"max_steps={args.steps}",
                  f"eval_every={args.steps}", f"save_every={args.steps}"]
-    cfg = load_train_config(str(CONFIG), overrides)
+    cfg = load_train_config(str(config), overrides)
     data = out / "speculators-data"
     if not (data / "hidden_states").is_dir() or "rows" not in summary:
         log(f"rows and hidden states of {args.conversations} conversations -> {data}")
@@ -208,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
 
     imported = out / "imported"
     if not (imported / "data.jsonl").is_file():
-        run([PYTHON, "-m", "specheads.train.speculators_states", str(data), str(CONFIG), *overrides,
+        run([PYTHON, "-m", "specheads.train.speculators_states", str(data), str(config), *overrides,
              "--output", str(imported), "--target-layer-ids", *map(str, cfg.heads.aux_layers)],
             out / "import.log")
     imported_rows = len(json.loads((imported / "features" / "train" / "index.json").read_text())["examples"])
@@ -225,14 +246,18 @@ def main(argv: list[str] | None = None) -> None:
             folder = out / seeded(f"ours-{name}" if name else "ours", seed, cfg.seed)
             if not (folder / "final" / "config.json").is_file():
                 summary[f"{folder.name}_wall_s"] = run(
-                    [PYTHON, "-m", "specheads.train", str(CONFIG), *overrides, *changes, *again,
+                    [PYTHON, "-m", "specheads.train", str(config), *overrides, *changes, *again,
                      f"output_dir={folder}", f"data.source={imported / 'data.jsonl'}", "features=offline",
                      f"feature_cache_dir={imported / 'features'}"],
                     out / f"{folder.name}.log")
                 save()
             drafters[folder.name] = folder / "final"
 
-    d2t, t2d = draft_vocab_files(drafters[seeded("ours", args.seeds[0], cfg.seed)], out / "vocab")
+    from specheads.formats.load import read_heads
+
+    ours_config = read_heads(drafters[seeded("ours", args.seeds[0], cfg.seed)]).config
+    d2t, t2d = draft_vocab_files(ours_config, out / "vocab")
+    shape = peer_shape(args.kind, cfg, ours_config)
     # The peer packs rows into batches of up to total_seq_len tokens; ours takes batch_size rows. Equal tokens per
     # step on average.
     ours_tokens = cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]
@@ -246,12 +271,12 @@ def main(argv: list[str] | None = None) -> None:
         summary["tokens_per_step"][f"{peer.name}_total_seq_len"] = total_seq_len
         if peer_checkpoint(peer) is None:
             summary[f"{peer.name}_wall_s"] = run(
-                [PYTHON, str(LAB / "speculators_train_cpu.py"), "--speculator-type", "eagle3",
+                [PYTHON, str(LAB / "speculators_train_cpu.py"), "--speculator-type", args.kind,
                  "--verifier-name-or-path", resolve_target(cfg.target), "--data-path", str(data),
                  "--save-path", str(peer), "--log-dir", str(out / f"{peer.name}-logs"),
                  "--num-layers", str(cfg.heads.num_layers), "--draft-arch", "llama",
                  "--target-layer-ids", *map(str, cfg.heads.aux_layers), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
-                 "--draft-vocab-size", str(cfg.draft_vocab_size), "--ttt-steps", str(cfg.heads.ttt_steps),
+                 "--draft-vocab-size", str(cfg.draft_vocab_size), *shape,
                  "--draft-attn-impl", "sdpa", "--total-seq-len", str(total_seq_len),
                  "--train-data-ratio", f"{ratio:.8f}", "--hidden-states-dtype", "bfloat16", "--num-workers", "0",
                  "--on-missing", "raise", "--max-steps", str(args.steps), "--epochs", str(epochs),
@@ -262,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         drafters[peer.name] = peer_checkpoint(peer)
         peers.append(str(drafters[peer.name]))
 
-    summary["methods"] = {name: f"eagle3:{path}+lookup=0+node_budget=fixed" for name, path in drafters.items()}
+    summary["methods"] = {name: f"{args.kind}:{path}+lookup=0+node_budget=fixed" for name, path in drafters.items()}
     if not (out / "bench" / "summary.json").is_file():
         methods = ["ar", *summary["methods"].values()]
         run([str(Path(PYTHON).parent / "specheads"), "bench", "--target", cfg.target, "--dtype", args.dtype,

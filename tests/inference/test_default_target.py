@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from specheads.questions import Question
 
 pytestmark = pytest.mark.slow
 
-# Three MT-bench-style first turns (the shared evaluation file is not part of the repository).
+# Three MT-bench-style first turns (MT-bench's question file is not part of the repository).
 PROMPTS = [
     Question(81, "writing", ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
                              "cultural experiences and must-see attractions.",)),
@@ -59,13 +57,3 @@ def test_every_method_reproduces_hf_greedy_on_the_default_target(default_target)
             assert res.output_ids == hf, (name, q.question_id)
             drafted += res.stats.drafted
     assert drafted > 0
-
-
-def test_shared_mt_bench_file_parses_when_present():
-    path = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench.jsonl"
-    if not path.is_file():
-        pytest.skip("shared MT-bench file not present next to the repository")
-    from specheads.questions import load_questions
-
-    qs = load_questions(path)
-    assert len(qs) == 80 and all(len(q.turns) == 2 for q in qs)
