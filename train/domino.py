@@ -9,8 +9,8 @@ over the whole vocabulary, twice, with speculators' and SpecForge's curriculum a
   own previous tokens (the anchor, then the text's continuation; teacher forcing), every block's slots in one pass;
 - λ falls linearly from `lambda_base_start` to 0 over `lambda_base_decay_ratio` of the run (ratio 0: λ stays at its
   start), so the backbone learns to draft alone before the correction takes over the loss. `progress` is the share of
-  the run's budget spent, as the LR's decay reads it: its steps (speculators' schedule, there counted in whole steps)
-  or, under `max_minutes`, its minutes where they are further along, so a run a time budget stops ends at λ = 0 too.
+  the run's budget spent (`TrainingClock.run_progress`): its steps (speculators' schedule, there counted in whole
+  steps) or, under `max_minutes`, its minutes where they are further along, so a run its minutes stop ends at λ = 0.
 
 Both terms take the slot weights of `heads.position_weighting`. With `heads.accept_until_fail` only L_base is cut at
 each block's first failure, its test on the base logits' argmax; L_final keeps every counted slot (speculators'
