@@ -391,6 +391,7 @@ class TrainingRun:
         bar = tqdm(total=cfg.max_steps, initial=progress.step, desc="train",
                    disable=not accelerator.is_local_main_process)
         tokens_seen, window_start = 0, time.perf_counter()
+        model = accelerator.unwrap_model(head)  # what a run_progress hook sets its share on
         clock.start()
         last = progress.step >= cfg.max_steps or clock.spent  # a run resumed at its end trains no more
         while not last:
@@ -404,8 +405,7 @@ class TrainingRun:
                         batch, replayed = self.onpolicy.replay(batch, progress.step + 1, self.pad, self.target,
                                                                self.feature_layers)
                     if self.objective.run_progress is not None:
-                        self.objective.run_progress(accelerator.unwrap_model(head),
-                                                    clock.run_progress(progress.step, cfg.max_steps))
+                        self.objective.run_progress(model, clock.run_progress(progress.step, cfg.max_steps))
                     loss, stats = self.objective.step_loss(head, self.target, batch, cfg.heads)
                     if replayed is not None:  # on every process alike (their statistics are reduced together)
                         stats["replay_rows"] = float(replayed)

@@ -9,11 +9,12 @@ AVX512-BF16)".
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
+from specheads.formats.load import read_heads
 from specheads.inference.bench.runner import drafter_alone
 from specheads.inference.engine.rollout import rollout
+from specheads.inference.engine.stats import GenerationStats
 from specheads.questions import load_questions
 from specheads.target import load_target, render_chat, stop_token_ids
 
@@ -28,7 +29,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="prompts decoded together")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    kind = args.kind or json.load(open(f"{args.heads}/config.json"))["kind"]
+    kind = args.kind or read_heads(args.heads).kind
     target, tokenizer = load_target("default")
     questions = load_questions(args.questions)[: args.prompts]
     prompts = [render_chat(tokenizer, [q.turns[0]]) for q in questions]
@@ -41,9 +42,10 @@ def main() -> None:
                            rows=args.rows)
             seconds = time.perf_counter() - start
             tokens = sum(len(o.output) for o in outs)
-            steps, accepted = sum(o.stats.steps for o in outs), sum(o.stats.accepted for o in outs)
+            total = GenerationStats(steps=sum(o.stats.steps for o in outs),
+                                    accepted=sum(o.stats.accepted for o in outs))
             print(f"round {round_} {'chains' if chain else 'trees '}: {tokens} tokens in {seconds:.1f} s = "
-                  f"{tokens / seconds:.1f} tok/s, tau {(accepted + steps) / steps:.2f}", flush=True)
+                  f"{tokens / seconds:.1f} tok/s, tau {total.tau:.2f}", flush=True)
 
 
 if __name__ == "__main__":
