@@ -6,7 +6,11 @@ after the target's own text, and τ is lost where it fails there. With `onpolicy
 
 1. every N optimizer steps, saves the drafter as it stands and decodes `onpolicy.prompts` training prompts with it in
    the engine (`rows` at a time, drafting chains; exact: greedy rollouts are the target's own greedy text),
-   recording each step's draft outcome (`specheads.inference.engine.rollout`);
+   recording each step's draft outcome (`specheads.inference.engine.rollout`), in the precision `onpolicy.dtype`
+   names (`auto`: bf16 on a CPU with native bf16, where a decode costs about half its fp32 time, from a bf16 copy of
+   the target loaded once; else the target's own: bf16 already on a GPU, fp32 on other CPUs). A bf16 rollout is the
+   bf16 target's greedy text, which may part from fp32's at near-ties: it is training data, and its features are
+   still the training target's own;
 2. keeps each rollout (prompt and output) as a training row whose loss mask covers, with `train_on: rejected`, each
    failing step's tokens from its root through the first rejected position (the block the drafter drafted there, as
    far as acceptance reached: the root is the anchor P-EAGLE's and EAGLE's entries are counted by, the drafted
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specheads.checked import Checked
+from specheads.machine import cpu_has_native_bf16
 from specheads.train.data import collate
 from specheads.train.features import target_features
 
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRAIN_ON = ("rejected", "all")
+DTYPES = ("auto", "target", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class OnPolicyConfig(Checked):
     train_on: str = "rejected"  # "rejected": each failing step's block through its first rejection; "all": every token
     replay_rows: int = 2  # rollout rows added to each step's batch (per process) once there are any
     buffer_rows: int = 64  # newest rollout rows kept for replay (per process)
+    dtype: str = "auto"  # rollout precision: auto (bf16 on CPUs with native bf16, else the target's), target, bfloat16
 
     def _check(self) -> None:
         if self.every < 0:
@@ -67,10 +74,19 @@ class OnPolicyConfig(Checked):
             raise ValueError(f"onpolicy.temperature must be >= 0 (0: greedy), got {self.temperature}")
         if self.train_on not in TRAIN_ON:
             raise ValueError(f"onpolicy.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"onpolicy.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     @property
     def enabled(self) -> bool:
         return self.every > 0
+
+    def rollout_dtype(self, target: torch.nn.Module) -> torch.dtype:
+        """The precision rollouts decode `target` in (`dtype`)."""
+        if self.dtype == "bfloat16" or (self.dtype == "auto" and target.device.type == "cpu"
+                                        and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return target.dtype
 
 
 def replay_row(out: Rollout, train_on: str) -> dict[str, list[int]] | None:
@@ -118,6 +134,7 @@ class OnPolicy:
         self.cursor = 0  # prompts used so far (they cycle)
         self.rollouts = 0
         self.buffer: list[dict[str, list[int]]] = []
+        self.decoder: torch.nn.Module | None = None  # the target in the rollouts' precision, where it is a copy
 
     def due(self, step: int) -> bool:
         return self.cfg.enabled and step % self.cfg.every == 0
@@ -128,17 +145,32 @@ class OnPolicy:
         self.cursor += self.cfg.prompts
         return picked
 
-    def roll_out(self, target: torch.nn.Module, kind: str, heads: Path,
+    def roll_out(self, target: torch.nn.Module, target_name: str, kind: str, heads: Path,
                  stop_token_ids: Sequence[int]) -> dict[str, float]:
-        """Decode the next prompts with the drafter of `kind` saved at `heads` and keep what they give (`collect`)."""
+        """Decode the next prompts with the drafter of `kind` saved at `heads` and keep what they give (`collect`);
+        `target_name` loads the target again where the rollouts decode in another precision."""
         from specheads.inference.bench.runner import rollout_drafter  # the engine, loaded once a rollout is due
 
         cfg = self.cfg
+        decoder = self.decoding_target(target, target_name)  # loaded before the clock starts: tokens/s is the decode's
         start = time.perf_counter()
-        outs = rollout_drafter(target, kind, str(heads), self.next_prompts(), max_new_tokens=cfg.max_new_tokens,
+        outs = rollout_drafter(decoder, kind, str(heads), self.next_prompts(), max_new_tokens=cfg.max_new_tokens,
                                stop_token_ids=stop_token_ids, temperature=cfg.temperature,
                                seed=_key(self.seed, self.process, self.rollouts), rows=cfg.rows)
         return self.collect(outs, time.perf_counter() - start)
+
+    def decoding_target(self, target: torch.nn.Module, target_name: str) -> torch.nn.Module:
+        """`target`, or its copy in the rollouts' precision, loaded at the first rollout and kept (the target is
+        frozen); in the layout `specheads bench` decodes with (packed bf16 weights where the CPU has them)."""
+        dtype = self.cfg.rollout_dtype(target)
+        if dtype == target.dtype:
+            return target
+        if self.decoder is None:
+            from specheads.target import load_target
+
+            self.decoder = load_target(target_name, device=str(target.device), dtype=dtype, weight_layout="auto")[0]
+            log.info("on-policy rollouts decode a %s copy of the target", dtype)
+        return self.decoder
 
     def collect(self, outs: list[Rollout], seconds: float) -> dict[str, float]:
         """Keep `outs` as replay rows; the rollout's figures for the metrics."""

@@ -361,7 +361,7 @@ class TrainingRun:
             self.objective.save(model, folder, target=self.target, tokenizer=self.tokenizer,
                                 target_name=self.cfg.target, config=self.objective.final_config(model, None),
                                 metadata={})
-        figures = self.onpolicy.roll_out(self.target, self.objective.kind, folder,
+        figures = self.onpolicy.roll_out(self.target, self.cfg.target, self.objective.kind, folder,
                                          stop_token_ids(self.tokenizer, self.target))
         # every process's rollout figures, averaged (each decoded its own prompts)
         mean = accelerator.reduce(torch.tensor(list(figures.values()), device=accelerator.device), reduction="mean")

@@ -62,6 +62,7 @@ def test_replay_appends_rows_with_their_features():
     (("onpolicy.every=2", "recipe=medusa"), "onpolicy.every applies to heads recipes whose drafter decodes"),
     (("onpolicy.every=2", "onpolicy.max_new_tokens=96"), r"must be below data.max_length \(96\)"),
     (("onpolicy.every=-1",), "onpolicy.every must be >= 0"),
+    (("onpolicy.every=2", "onpolicy.dtype=fp8"), "onpolicy.dtype must be one of auto, target, bfloat16"),
 ])
 def test_bad_onpolicy_settings_are_named(tiny_run_inputs, tmp_path, extra, message):
     with pytest.raises(ValueError, match=message):
@@ -115,3 +116,31 @@ def test_rollouts_draft_chains(tiny_run_inputs, tmp_path):
                                           None), prompts, max_new_tokens=16, rows=2)
     assert max(s.drafted for o in trees for s in o.steps) > depth  # whole trees draft more: the check can fail
     assert [o.output for o in chains] == [o.output for o in trees]  # exact either way
+
+
+def test_rollouts_decode_a_bf16_copy_of_the_target_where_asked(tiny_run_inputs, tmp_path, monkeypatch):
+    from specheads.target import load_target
+
+    out = tmp_path / "run"
+    assert train_main(base_args(tiny_run_inputs, out, "recipe=peagle", "heads.aux_layers=[1,2,3]", "max_steps=2",
+                                "measure_prompts=0")) == 0
+    target, _ = load_target(str(tiny_run_inputs[0]))
+    data, masks = [[1, 5, 9, 12, 2, 1, 20, 23, 4], [1, 7, 8, 30, 31, 2, 1, 6]], [[0] * 6 + [1] * 3, [0] * 7 + [1]]
+    for native in (False, True):  # auto: bf16 only where the CPU has it
+        monkeypatch.setattr("specheads.train.onpolicy.cpu_has_native_bf16", lambda native=native: native)
+        auto = OnPolicyConfig(every=1).rollout_dtype(target)
+        assert auto == (torch.bfloat16 if native else torch.float32)
+        assert OnPolicyConfig(every=1, dtype="target").rollout_dtype(target) == torch.float32
+    policy = OnPolicy(OnPolicyConfig(every=1, prompts=2, rows=2, max_new_tokens=8, dtype="bfloat16"), data, masks,
+                      max_length=32, seed=0, process=0, processes=1)
+    figures = policy.roll_out(target, str(tiny_run_inputs[0]), "peagle", out / "final", [])
+    assert figures["rollout/tokens"] == 16 and 1.0 <= figures["rollout/tau"]
+    decoder = policy.decoder
+    assert decoder is not None and decoder.dtype == torch.bfloat16 and target.dtype == torch.float32
+    embed = target.get_input_embeddings().weight
+    assert torch.equal(decoder.get_input_embeddings().weight, embed.to(torch.bfloat16))  # the same target, in bf16
+    policy.roll_out(target, str(tiny_run_inputs[0]), "peagle", out / "final", [])
+    assert policy.decoder is decoder  # loaded once
+    same = OnPolicy(OnPolicyConfig(every=1, max_new_tokens=8, dtype="target"), data, masks, max_length=32, seed=0,
+                    process=0, processes=1)
+    assert same.decoding_target(target, str(tiny_run_inputs[0])) is target and same.decoder is None
