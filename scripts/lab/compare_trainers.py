@@ -146,6 +146,15 @@ def peer_shape(kind: str, cfg, ours_config: dict) -> list[str]:
             "--mask-token-id", str(ours_config["mask_token_id"])]
 
 
+def bf16_native() -> bool:
+    """Whether our recipe's `mixed_precision: auto` trains in bf16 here: on a GPU or a CPU with native bf16."""
+    import torch
+
+    from specheads.machine import cpu_has_native_bf16
+
+    return torch.cuda.is_available() or cpu_has_native_bf16()
+
+
 def peer_checkpoint(save_path: Path) -> Path | None:
     """The peer's last checkpoint folder (its epochs are numbered folders)."""
     epochs = sorted((p for p in save_path.glob("[0-9]*") if (p / "config.json").is_file()), key=lambda p: int(p.name))
@@ -263,6 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     ours_tokens = cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]
     summary["tokens_per_step"] = {"ours": ours_tokens}
     ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
+    # the peer's autocast dtype: bf16 where ours autocasts bf16 (mixed_precision auto), else fp32 as ours computes
+    # (a CPU without native bf16 emulates bf16 at many times the cost)
+    summary["peer_precision"] = peer_precision = "bfloat16" if bf16_native() else "float32"
     peers = []
     for seed in args.seeds:  # its sampler packs by seed, so each seed's batches and epochs are its own
         total_seq_len, epochs, batches = peer_packing(data, rows["train_rows"], ours_tokens, args.steps, seed)
@@ -278,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                  "--target-layer-ids", *map(str, cfg.heads.aux_layers), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
                  "--draft-vocab-size", str(cfg.draft_vocab_size), *shape,
                  "--draft-attn-impl", "sdpa", "--total-seq-len", str(total_seq_len),
-                 "--train-data-ratio", f"{ratio:.8f}", "--hidden-states-dtype", "bfloat16", "--num-workers", "0",
+                 "--train-data-ratio", f"{ratio:.8f}", "--hidden-states-dtype", peer_precision, "--num-workers", "0",
                  "--on-missing", "raise", "--max-steps", str(args.steps), "--epochs", str(epochs),
                  "--seed", str(seed), "--loss-implementation", "eager",  # its fused losses need Triton (a GPU)
                  *args.peer_arg],
