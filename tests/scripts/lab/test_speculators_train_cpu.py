@@ -52,3 +52,27 @@ def test_the_peer_trains_its_steps_on_cpu_and_its_drafter_decodes_exactly_here(t
     plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=32)
     res = Engine(target, proposer_for("eagle3", target, last, {"lookup": 0})).generate(prompt, max_new_tokens=32)
     assert res.output_ids == plain.output_ids and res.stats.drafted > 0
+
+
+def test_muons_orthogonalization_runs_in_fp32_on_a_copy(monkeypatch):
+    import importlib.util
+
+    import torch
+    import torch.optim._muon as muon
+
+    spec = importlib.util.spec_from_file_location("speculators_train_cpu", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(muon, "_zeropower_via_newtonschulz", muon._zeropower_via_newtonschulz)  # restored after
+    in_bf16 = muon._zeropower_via_newtonschulz
+    script.orthogonalize_in_fp32()
+    grad = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+    kept = grad.clone()
+    args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
+    fp32 = muon._zeropower_via_newtonschulz(grad, *args)
+    assert fp32.dtype == torch.float32 and torch.equal(grad, kept)  # the momentum buffer it reads is left alone
+    assert torch.ones(1).bfloat16().dtype == torch.bfloat16  # the cast is itself again once it returns
+    bf16 = in_bf16(grad, *args)
+    assert bf16.dtype == torch.bfloat16 and not torch.equal(fp32, bf16.float())
+    # the same iteration, apart by bf16 rounding only (entries up to about 0.5 here, 0.008 apart)
+    assert (fp32 - bf16.float()).abs().max() < 0.05
