@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# P-EAGLE heads trained at one budget under several settings, then benched together: which settings make the most of
-# the main job's budget (its minutes on a CPU without native bf16, its steps elsewhere).
+# P-EAGLE heads (or KIND's drafter) trained at one budget under several settings, then benched together: which
+# settings make the most of the main job's budget (its minutes on a CPU without native bf16, its steps elsewhere).
 #
 #   MINUTES=10 QUESTIONS=mt_bench.jsonl scripts/lab/compare_budgets.sh runs/budgets \
 #       "defaults:" "warmup10:optim.warmup_steps=10" "batch2:optim.batch_size=2 optim.warmup_steps=10"
@@ -8,21 +8,25 @@
 #       "base:" "auf:heads.accept_until_fail=true" "base-s1:seed=1 data.split_seed=0" \
 #       "auf-s1:seed=1 data.split_seed=0 heads.accept_until_fail=true"
 #   STEPS=300 ... scripts/lab/compare_budgets.sh runs/op "op:onpolicy.every=50"   # training on its own mistakes
+#   KIND=domino MINUTES=9 EXTRA_METHODS=peagle:runs/levers/base-s0/final ... scripts/lab/compare_budgets.sh \
+#       runs/domino "domino-s0:optim.batch_size=2 optim.warmup_steps=10"   # another kind in the same minutes
 #
 # (`data.split_seed=0` keeps a seed variant on the same rows, so it reads the features the first variant cached.)
 #
-# Each NAME:OVERRIDES trains configs/peagle-smollm2-cpu.yaml on the main job's data (600 conversations, so every
-# variant holds out the same ones), one after another on an otherwise idle machine: with MINUTES (default 10),
-# features computed online and max_minutes=MINUTES; with STEPS, max_steps=STEPS on features cached once for every
-# variant (OUT/features). Then one interleaved bench of ar and every variant's heads, plus EXTRA_METHODS, on
-# QUESTIONS (PER_CATEGORY of each category, default 1; MAX_NEW tokens, default 128) in DTYPE (default float32:
-# greedy, exact). τ there comes from exact counts; each variant's steps and evaluation are in OUT/NAME/metrics.jsonl,
-# its training wall time in OUT/NAME/train_seconds.txt. With HELD_OUT=N the same methods are benched again on N
-# ShareGPT first turns that training never reads (`--questions sharegpt-heldout`) -> OUT/bench-heldout.
+# Each NAME:OVERRIDES trains configs/KIND-smollm2-cpu.yaml (KIND default peagle) on the main job's data (600
+# conversations, so every variant holds out the same ones), one after another on an otherwise idle machine: with
+# MINUTES (default 10), features computed online and max_minutes=MINUTES; with STEPS, max_steps=STEPS on features
+# cached once for every variant (OUT/features). Then one interleaved bench of ar and every variant's heads, plus
+# EXTRA_METHODS, on QUESTIONS (PER_CATEGORY of each category, default 1; MAX_NEW tokens, default 128) in DTYPE
+# (default float32: greedy, exact). τ there comes from exact counts; each variant's steps and evaluation are in
+# OUT/NAME/metrics.jsonl, its training wall time in OUT/NAME/train_seconds.txt. With HELD_OUT=N the same methods are
+# benched again on N ShareGPT first turns that training never reads (`--questions sharegpt-heldout`) ->
+# OUT/bench-heldout.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=$1
 shift
+kind=${KIND:-peagle}
 methods=ar
 for variant in "$@"; do
     name=${variant%%:*}
@@ -34,10 +38,10 @@ for variant in "$@"; do
     fi
     echo "==> $name: ${overrides[*]:-(recipe defaults)} for ${STEPS:-${MINUTES:-10} minutes}${STEPS:+ steps}"
     start=$SECONDS
-    .venv/bin/python -m specheads.train configs/peagle-smollm2-cpu.yaml "output_dir=$out/$name" "${budget[@]}" \
+    .venv/bin/python -m specheads.train "configs/$kind-smollm2-cpu.yaml" "output_dir=$out/$name" "${budget[@]}" \
         eval_every=100000 save_every=100000 data.max_conversations=600 "${overrides[@]}"
     echo "$((SECONDS - start))" > "$out/$name/train_seconds.txt"  # the feature cache included where written
-    methods="$methods,peagle:$out/$name/final"
+    methods="$methods,$kind:$out/$name/final"
 done
 [[ -n "${EXTRA_METHODS:-}" ]] && methods="$methods,$EXTRA_METHODS"
 bench=(.venv/bin/specheads bench --target default --dtype "${DTYPE:-float32}" --methods "$methods"
