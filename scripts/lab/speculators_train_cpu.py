@@ -13,8 +13,9 @@ Its code runs unchanged but for what is set here from the outside, without editi
 3. On a CPU without native bf16 only: Muon's orthogonalization. torch's Muon (speculators' default optimizer) runs
    its Newton-Schulz iteration in bf16, which such a CPU emulates at about 50x the fp32 cost (53 s against 1 s for
    an 8192 x 576 head on a 2-core AVX2 EPYC): a step would take a minute, mostly there. There the same iteration
-   runs in fp32, on a copy as in bf16 (its momentum buffer is not written). Pass `--hidden-states-dtype float32`
-   on such a CPU too: that dtype is also the autocast's, and bf16 autocast is emulated as well.
+   runs in fp32 (`specheads.train.optimizer.orthogonalised`, what our recipe's Muon runs on such a CPU). Pass
+   `--hidden-states-dtype float32` on such a CPU too: that dtype is also the autocast's, and bf16 autocast is
+   emulated as well.
 
 Everything else (data loading and packing, the model, losses, optimizer, schedule, checkpoints) is speculators'.
 
@@ -57,24 +58,12 @@ def run_on_cpu() -> None:
 
 
 def orthogonalize_in_fp32() -> None:
-    """torch's Muon orthogonalizes `grad.bfloat16()`; here that cast gives an fp32 copy instead (setting 3)."""
-    import torch
+    """torch's Muon orthogonalizes its update in bf16; here in fp32, by our Muon's iteration (setting 3)."""
     import torch.optim._muon as muon
 
-    newton_schulz = muon._zeropower_via_newtonschulz
-    to_bf16 = torch.Tensor.bfloat16
+    from specheads.train.optimizer import orthogonalised
 
-    def fp32_copy(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self.to(torch.float32, copy=True)
-
-    def newton_schulz_fp32(grad: torch.Tensor, *args) -> torch.Tensor:
-        torch.Tensor.bfloat16 = fp32_copy
-        try:
-            return newton_schulz(grad, *args)
-        finally:
-            torch.Tensor.bfloat16 = to_bf16
-
-    muon._zeropower_via_newtonschulz = newton_schulz_fp32
+    muon._zeropower_via_newtonschulz = orthogonalised  # its call is by the module's name, with the same arguments
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,7 +54,7 @@ def test_the_peer_trains_its_steps_on_cpu_and_its_drafter_decodes_exactly_here(t
     assert res.output_ids == plain.output_ids and res.stats.drafted > 0
 
 
-def test_muons_orthogonalization_runs_in_fp32_on_a_copy(monkeypatch):
+def test_muons_orthogonalization_runs_in_fp32(monkeypatch):
     import importlib.util
 
     import torch
@@ -71,7 +71,6 @@ def test_muons_orthogonalization_runs_in_fp32_on_a_copy(monkeypatch):
     args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
     fp32 = muon._zeropower_via_newtonschulz(grad, *args)
     assert fp32.dtype == torch.float32 and torch.equal(grad, kept)  # the momentum buffer it reads is left alone
-    assert torch.ones(1).bfloat16().dtype == torch.bfloat16  # the cast is itself again once it returns
     bf16 = in_bf16(grad, *args)
     assert bf16.dtype == torch.bfloat16 and not torch.equal(fp32, bf16.float())
     # the same iteration, apart by bf16 rounding only (entries up to about 0.5 here, 0.008 apart)
