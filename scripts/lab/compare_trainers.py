@@ -12,10 +12,11 @@ user of each would run it. The phases:
 3. ours: `python -m specheads.train` on the imported caches -> OUT/ours/final (each `--ours-variant` with its
    settings changed -> OUT/ours-NAME/final);
 4. our draft vocabulary as speculators' d2t/t2d -> OUT/vocab;
-5. the peer: `scripts/lab/speculators_train_cpu.py` (speculators' trainer, two settings made from the outside so it
+5. the peer: `scripts/lab/speculators_train_cpu.py` (speculators' trainer, settings made from the outside so it
    runs on a CPU; named in that script) on the same files, its train/validation boundary at our split's, its
    batches packed to the tokens of our batch of conversations, the drafter's shape ours (layers, aux layers, for
-   EAGLE-3 its test-time-training steps, for P-EAGLE its depths, drop-token ratios and mask token) -> OUT/peer/<epoch>;
+   EAGLE-3 its test-time-training steps, for P-EAGLE its depths, drop-token ratios and mask token), in the precision
+   ours trains in here (bf16 autocast on a GPU or a CPU with native bf16, else fp32) -> OUT/peer/<epoch>;
 6. one interleaved `specheads bench` run of `ar` and both drafters, each drafting alone (`+lookup=0`) and verifying
    its whole tree (`+node_budget=fixed`: the default budget cuts a tree to what pays on the machine, so τ would
    measure the machine as much as the drafter) -> OUT/bench;
