@@ -58,7 +58,9 @@ echo "==> training P-EAGLE heads into $run/peagle"
 # The recipe as it is, no lever on: at this budget neither accept-until-fail (heads.accept_until_fail, higher held-out
 # top-1 but the same τ) nor training on its own mistakes (onpolicy.every, half the steps in the same minutes, 4% lower
 # τ) beats it beyond its seed spread over three seeds (docs/results.md, "accept-until-fail and training on the
-# drafter's own mistakes at the main job's 9 minutes"; with bf16 at 300 steps, the entry after it).
+# drafter's own mistakes at the main job's 9 minutes"; with bf16 at 300 steps, the entry after it). Domino in the
+# same minutes trains 160 steps against 255 and stands 8% below in τ, slower than plain decoding (docs/results.md,
+# "Domino against P-EAGLE at the main job's 9 minutes").
 start=$SECONDS
 budget=(features=offline)
 if [[ "$machine" == fp32 ]]; then
