@@ -7,7 +7,7 @@ after the target's own text, and τ is lost where it fails there. With `onpolicy
 1. every N optimizer steps, saves the drafter as it stands and decodes `onpolicy.prompts` training prompts with it in
    the engine (`rows` at a time, drafting chains; exact: greedy rollouts are the target's own greedy text),
    recording each step's draft outcome (`specheads.inference.engine.rollout`), in the precision `onpolicy.dtype`
-   names (`auto`: bf16 on a CPU with native bf16, where a decode costs about half its fp32 time, from a bf16 copy of
+   names (`auto`: bf16 on a CPU with native bf16, the precision the main job decodes in there, from a bf16 copy of
    the target loaded once; else the target's own: bf16 already on a GPU, fp32 on other CPUs). A bf16 rollout is the
    bf16 target's greedy text, which may part from fp32's at near-ties: it is training data, and its features are
    still the training target's own;
