@@ -54,7 +54,8 @@ STATE_FILE = "trainer_state.json"
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # the run's draft vocabulary, written at its start
 
 
-def _mixed_precision(cfg: TrainConfig) -> str:
+def mixed_precision(cfg: TrainConfig) -> str:
+    """The autocast precision a run of `cfg` trains in on this machine (Accelerate's name: "bf16", "fp16", "no")."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
     if torch.cuda.is_available():
@@ -216,7 +217,7 @@ class TrainingRun:
         cfg = self.cfg
         self.accelerator = accelerator = Accelerator(
             gradient_accumulation_steps=cfg.optim.grad_accum,
-            mixed_precision=_mixed_precision(cfg),
+            mixed_precision=mixed_precision(cfg),
             log_with="wandb" if cfg.report_to == "wandb" else None,
             project_dir=cfg.output_dir,
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),

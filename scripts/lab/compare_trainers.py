@@ -147,15 +147,6 @@ def peer_shape(kind: str, cfg, ours_config: dict) -> list[str]:
             "--mask-token-id", str(ours_config["mask_token_id"])]
 
 
-def bf16_native() -> bool:
-    """Whether our recipe's `mixed_precision: auto` trains in bf16 here: on a GPU or a CPU with native bf16."""
-    import torch
-
-    from specheads.machine import cpu_has_native_bf16
-
-    return torch.cuda.is_available() or cpu_has_native_bf16()
-
-
 def peer_checkpoint(save_path: Path) -> Path | None:
     """The peer's last checkpoint folder (its epochs are numbered folders)."""
     epochs = sorted((p for p in save_path.glob("[0-9]*") if (p / "config.json").is_file()), key=lambda p: int(p.name))
@@ -273,9 +264,11 @@ def main(argv: list[str] | None = None) -> None:
     ours_tokens = cfg.optim.batch_size * rows["train_tokens"] / rows["train_rows"]
     summary["tokens_per_step"] = {"ours": ours_tokens}
     ratio = (rows["train_rows"] + 0.5) / rows["rows"]  # speculators splits at int(rows * ratio): our boundary
-    # the peer's autocast dtype: bf16 where ours autocasts bf16 (mixed_precision auto), else fp32 as ours computes
-    # (a CPU without native bf16 emulates bf16 at many times the cost)
-    summary["peer_precision"] = peer_precision = "bfloat16" if bf16_native() else "float32"
+    # the peer's autocast dtype: bf16 where ours autocasts bf16, else fp32 as ours computes (a CPU without native bf16
+    # emulates bf16 at many times the cost)
+    from specheads.train.recipe import mixed_precision
+
+    summary["peer_precision"] = peer_precision = "bfloat16" if mixed_precision(cfg) == "bf16" else "float32"
     peers = []
     for seed in args.seeds:  # its sampler packs by seed, so each seed's batches and epochs are its own
         total_seq_len, epochs, batches = peer_packing(data, rows["train_rows"], ours_tokens, args.steps, seed)
