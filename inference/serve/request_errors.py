@@ -89,7 +89,7 @@ def validation_message(errors: list[dict[str, Any]], fields: set[str]) -> tuple[
         msg = msg.replace("a valid dictionary or object to extract fields from", "a JSON object")
         if msg not in wants:
             wants.append(msg)
-    return f"{subject} should be {' or '.join(wants)}, got {_shown(first.get('input'))}", name
+    return f"{subject} should be {' or '.join(wants)}, got {shown(first.get('input'))}", name
 
 
 def _path(error: dict[str, Any], fields: set[str]) -> tuple[str | int, ...]:
@@ -109,7 +109,8 @@ def _dotted(path: tuple[str | int, ...]) -> str | None:
     return out or None
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """`value` as JSON for a message, cut to `SHOWN_INPUT_CHARS` (a refused value may be any size)."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):

@@ -45,7 +45,7 @@ from specheads.inference.engine.engine import Engine, GenerationResult
 from specheads.inference.engine.grammar import grammar_from_request
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.serve.metrics import ServerMetrics
-from specheads.inference.serve.request_errors import BadRequest, error_response, install_error_handlers
+from specheads.inference.serve.request_errors import BadRequest, error_response, install_error_handlers, shown
 from specheads.inference.serve.service import GenerationService, Job, QueueFull, ServiceLimits, ShuttingDown
 from specheads.inference.serve.spec_decode_metrics import check_level, spec_decode_metrics
 from specheads.inference.serve.text_stream import TextStream
@@ -53,6 +53,12 @@ from specheads.target import render_messages
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the server's limit
 MAX_STOP_STRINGS = 4  # as OpenAI
+# torch's generators take seeds in [-2**63, 2**64 - 1] but fold a negative one onto its two's complement (-1 seeds
+# as 2**64 - 1 does), so the signed 64-bit range reaches each of their seeds exactly once; it is also vLLM's range.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# A top_k at or above the vocabulary keeps every token; the bound refuses only what no 64-bit integer holds.
+TOP_K_MAX = (1 << 63) - 1
+TOP_LOGPROBS_MAX = 20  # OpenAI's
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,6 @@ class _Request(_Strict):
     # null is each field's default, as in OpenAI's API
     model: str | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # chat: the newer name of max_tokens
     temperature: float | None = None  # default 1 (OpenAI's): sampling; 0 is greedy
     top_p: float | None = None  # default 1
     top_k: int | None = None  # an extension (as vLLM's): 0 (default) keeps every token
@@ -134,6 +139,7 @@ class ChatMessage(_Strict):
 
 class ChatRequest(_Request):
     messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins when both are sent
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -207,8 +213,11 @@ def create_app(service: GenerationService, tokenizer: Any, settings: ServerSetti
             ids = list(tokenizer(prompt)["input_ids"])
         else:
             ids = [int(t) for t in prompt]
-            if any(not 0 <= t < service.engine.vocab_size for t in ids):
-                raise BadRequest(f"prompt token ids must be in [0, {service.engine.vocab_size})", "prompt")
+            vocab = service.engine.vocab_size
+            for i, t in enumerate(ids):
+                if not 0 <= t < vocab:
+                    raise BadRequest(f"prompt[{i}] must be a token id of this model, in [0, {vocab - 1}], got "
+                                     f"{shown(t)}", f"prompt[{i}]")
         return await _serve(body, ids, request, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -286,17 +295,26 @@ def _text(content: str | list[TextPart]) -> str:
 
 
 def _max_tokens(body: _Request, chat: bool, limit: int) -> int:
-    asked = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
+    newer = getattr(body, "max_completion_tokens", None)  # chat only
+    _check_range("max_tokens", body.max_tokens, 1, limit, " (this server's limit)")
+    _check_range("max_completion_tokens", newer, 1, limit, " (this server's limit)")
+    asked = newer if newer is not None else body.max_tokens
     if asked is None:
         return limit if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, limit)
-    if not 1 <= asked <= limit:
-        raise BadRequest(f"max_tokens must be in [1, {limit}] (this server's limit), got {asked}", "max_tokens")
     return asked
 
 
+def _check_range(name: str, value: int | None, low: int, high: int, note: str = "") -> None:
+    """A 400 naming `name` unless `value` lies in [low, high]; None (not sent) passes."""
+    if value is not None and not low <= value <= high:
+        raise BadRequest(f"{name} must be in [{low}, {high}]{note}, got {shown(value)}", name)
+
+
 def _sampling(body: _Request) -> SamplingParams:
-    if body.top_logprobs is not None and body.top_logprobs < 0:
-        raise BadRequest(f"top_logprobs must be >= 0, got {body.top_logprobs}", "top_logprobs")
+    # Checked here, not left to the engine: a seed past 64 bits would only fail inside generation, as a 500.
+    _check_range("seed", body.seed, SEED_MIN, SEED_MAX, " (a signed 64-bit integer)")
+    _check_range("top_k", body.top_k, 0, TOP_K_MAX, " (0 keeps every token)")
+    _check_range("top_logprobs", body.top_logprobs, 0, TOP_LOGPROBS_MAX)
     for name, (inert, why) in _INERT.items():
         if (value := getattr(body, name, None)) not in inert:  # None where the endpoint has no such field
             raise BadRequest(f"{name}={value!r} is not supported: {why}", name)

@@ -14,11 +14,13 @@ import pytest
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.proposer import AutoregressiveProposer
 from specheads.inference.serve.request_errors import validation_message
-from tests.conftest import tiny_model, tiny_tokenizer
+from tests.conftest import TINY_VOCAB, tiny_model, tiny_tokenizer
 from tests.inference.serve.live_server import LiveServer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = {"role": "user", "content": "w3 w4"}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_RANGE = re.escape(f"seed must be in [{INT64_MIN}, {INT64_MAX}] (a signed 64-bit integer), got ")
 
 
 def chat(**fields) -> dict:
@@ -59,15 +61,35 @@ MALFORMED = [
     (CHAT, chat(spec_decode_metrics="everything"), 400, "spec_decode_metrics", "spec_decode_metrics should be"),
     # ranges
     (CHAT, chat(max_tokens=0), 400, "max_tokens", r"max_tokens must be in \[1, 64\]"),
-    (CHAT, chat(max_completion_tokens=-3), 400, "max_tokens", r"max_tokens must be in \[1, 64\]"),
+    (CHAT, chat(max_completion_tokens=-3), 400, "max_completion_tokens", r"max_completion_tokens must be in \[1, 64\]"),
     (CHAT, chat(temperature=-0.5), 400, "temperature", "temperature must be >= 0"),
     (COMPLETIONS, completion(top_p=1.5), 400, "top_p", r"top_p must be in \(0, 1\]"),
-    (COMPLETIONS, completion(top_k=-2), 400, "top_k", "top_k must be >= 0"),
-    (CHAT, chat(top_logprobs=-1), 400, "top_logprobs", "top_logprobs must be >= 0"),
+    (COMPLETIONS, completion(top_k=-2), 400, "top_k",
+     rf"top_k must be in \[0, {INT64_MAX}\] \(0 keeps every token\), got -2"),
+    (CHAT, chat(top_logprobs=-1), 400, "top_logprobs", r"top_logprobs must be in \[0, 20\], got -1"),
     (CHAT, chat(n=0), 400, "n", "n=0 is not supported"),
     (COMPLETIONS, completion(stop=["a", "b", "c", "d", "e"]), 400, "stop", "stop takes up to 4"),
     (COMPLETIONS, completion(stop=[""]), 400, "stop", "non-empty strings"),
-    (COMPLETIONS, {"prompt": [3, 999999]}, 400, "prompt", r"prompt token ids must be in \[0, "),
+    (COMPLETIONS, {"prompt": [3, 999999]}, 400, "prompt[1]",
+     rf"prompt\[1\] must be a token id of this model, in \[0, {TINY_VOCAB - 1}\], got 999999"),
+    (COMPLETIONS, {"prompt": [3, TINY_VOCAB]}, 400, "prompt[1]", rf"in \[0, {TINY_VOCAB - 1}\], got {TINY_VOCAB}$"),
+    (COMPLETIONS, {"prompt": [-1, 3]}, 400, "prompt[0]", r"prompt\[0\] must be a token id .* got -1$"),
+    (COMPLETIONS, {"prompt": [3, 4, 2**70]}, 400, "prompt[2]", rf"prompt\[2\] .* got {2**70}$"),
+    # integers past what generation takes: refused before it starts, never a 500 from inside it
+    (CHAT, chat(seed=2**70), 400, "seed", SEED_RANGE + str(2**70)),
+    (CHAT, chat(seed=2**64), 400, "seed", SEED_RANGE + str(2**64)),
+    (COMPLETIONS, completion(seed=2**63), 400, "seed", SEED_RANGE + str(2**63)),
+    (COMPLETIONS, completion(seed=INT64_MIN - 1), 400, "seed", SEED_RANGE + str(INT64_MIN - 1)),
+    (CHAT, chat(max_tokens=2**70), 400, "max_tokens", rf"max_tokens must be in \[1, 64\] .*, got {2**70}"),
+    (CHAT, chat(max_completion_tokens=2**70), 400, "max_completion_tokens", rf"must be in \[1, 64\] .*, got {2**70}"),
+    (CHAT, chat(max_tokens=2**70, max_completion_tokens=2), 400, "max_tokens", "max_tokens must be in"),
+    (COMPLETIONS, completion(top_k=2**63), 400, "top_k", rf"top_k must be in \[0, {INT64_MAX}\] .*, got {2**63}"),
+    (CHAT, chat(top_logprobs=2**70), 400, "top_logprobs", rf"top_logprobs must be in \[0, 20\], got {2**70}"),
+    (CHAT, chat(n=2**70), 400, "n", f"n={2**70} is not supported"),
+    (CHAT, chat(n=-1), 400, "n", "n=-1 is not supported"),
+    (COMPLETIONS, completion(best_of=2**70), 400, "best_of", f"best_of={2**70} is not supported"),
+    (COMPLETIONS, completion(logprobs=2**70), 400, "logprobs", f"logprobs={2**70} is not supported"),
+    (CHAT, chat(logit_bias={str(2**70): 1}), 400, "logit_bias", "logit_bias=.* is not supported"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "the prompt is empty"),
     (CHAT, {"messages": []}, 400, "messages", "at least one message"),
     # nulls where a value is required (a null optional field is its default: see the test below)
@@ -98,6 +120,8 @@ MALFORMED = [
     # a field of the other endpoint
     (COMPLETIONS, completion(messages=[USER]), 400, "messages", "unrecognized request argument 'messages'"),
     (CHAT, chat(echo=True), 400, "echo", "unrecognized request argument 'echo'"),
+    (COMPLETIONS, completion(max_completion_tokens=4), 400, "max_completion_tokens",
+     "unrecognized request argument 'max_completion_tokens'"),
 ]
 
 
@@ -143,6 +167,29 @@ def test_known_inert_arguments_are_accepted(server):
     assert r.status_code == 200, r.text
     plain = send(server, CHAT, chat(temperature=0))
     assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("seed", [INT64_MIN, -1, 0, INT64_MAX])
+def test_every_seed_in_range_generates_and_reproduces(server, seed):
+    body = chat(temperature=1.0, seed=seed, max_tokens=4)
+    answers = [send(server, CHAT, body) for _ in range(2)]
+    assert [r.status_code for r in answers] == [200, 200], answers[0].text
+    assert answers[0].json()["usage"]["completion_tokens"] >= 1
+    assert answers[0].json()["choices"][0]["message"] == answers[1].json()["choices"][0]["message"]
+
+
+def test_the_largest_integers_accepted_generate(server):
+    """The top of each range is served: the largest top_k keeps every token (as 0 does), max_tokens reaches the
+    server's limit, and a prompt may hold the first and the last token id of the vocabulary."""
+    sampled = completion(temperature=1.0, seed=INT64_MAX, max_tokens=64)
+    widest = send(server, COMPLETIONS, {**sampled, "top_k": INT64_MAX})
+    assert widest.status_code == 200, widest.text
+    assert widest.json()["choices"][0]["text"] == send(server, COMPLETIONS, sampled).json()["choices"][0]["text"]
+    r = send(server, CHAT, chat(max_completion_tokens=64, temperature=0))
+    assert r.status_code == 200, r.text
+    r = send(server, COMPLETIONS, {"prompt": [0, TINY_VOCAB - 1], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 2
 
 
 @pytest.mark.parametrize(("method", "path", "status"), [("POST", "/v1/embeddings", 404), ("GET", CHAT, 405),
