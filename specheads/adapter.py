@@ -45,11 +45,8 @@ def merged_adapter(model: PreTrainedModel, folder: str | Path) -> PreTrainedMode
     path = check_adapter_folder(folder)
     if (path / TARGET_FILE).is_file():
         trained = TargetInfo.from_dict(json.loads((path / TARGET_FILE).read_text(encoding="utf-8")), checkpoint=path)
-        this = TargetInfo.from_model(model, "this target")
-        if (trained.hidden_size, trained.vocab_size, trained.num_layers) != (this.hidden_size, this.vocab_size,
-                                                                             this.num_layers):
-            raise ValueError(f"adapter {folder} was trained on target {trained.name} ({trained.describe()}); this "
-                             f"target has {this.describe()}: pass the --target it was trained on")
+        trained.check_sizes(TargetInfo.from_model(model, "this target"), subject=f"adapter {folder} was",
+                            fix="pass the --target it was trained on", label="adapter")
     try:
         adapted = PeftModel.from_pretrained(model, str(path))
     except (ValueError, RuntimeError, KeyError, OSError) as err:  # module names or weight shapes of another model

@@ -23,7 +23,8 @@ from scipy.stats import chisquare
 from torch import nn
 
 import specheads.inference.engine.engine as engine_mod
-from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, TargetInfo, save_drafter
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods import METHODS, make_proposer
@@ -197,7 +198,7 @@ def check_greedy_equals_plain_greedy(kind: str, target: nn.Module, folder: Path,
 
 def check_roundtrip(kind: str, target: nn.Module, folder: Path) -> None:
     heads = save_case(kind, target, folder)
-    loaded = load_drafter(folder, target, kind=kind)
+    loaded = load_heads(folder, target, kind=kind)
     assert type(loaded) is type(heads) and loaded.config == heads.config
     want, got = heads.state_dict(), loaded.state_dict()
     assert want.keys() == got.keys()
@@ -216,7 +217,7 @@ def check_strict_loader(kind: str, target: nn.Module, folder: Path) -> None:
         (folder / CONFIG_NAME).write_text(json.dumps(meta_))
         save_file(state_, folder / WEIGHTS_NAME)
         try:
-            load_drafter(folder, target)
+            load_heads(folder, target)
         except ValueError as err:
             assert message in str(err), (message, str(err))
         else:

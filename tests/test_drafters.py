@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from specheads import gemm_choice
+from specheads.formats.load import load_heads
 from specheads.gemm_layout import linear_layout, packing_available, resolve_layout, set_linear_layout
-from specheads.heads.checkpoint import load_drafter
 from specheads.inference import Engine, SamplingParams
 from specheads.inference.methods import METHODS
 from specheads.kinds import KINDS
@@ -108,4 +108,4 @@ def test_greedy_equals_plain_greedy_with_another_weight_layout(kind, layout, tmp
         for s in shapes})
     target = set_linear_layout(tiny_model("llama"), layout)
     check_greedy_equals_plain_greedy(kind, target, tmp_path, DRAFTERS[kind].options[:2])
-    assert linear_layout(load_drafter(tmp_path, target, kind=kind)) == layout
+    assert linear_layout(load_heads(tmp_path, target, kind=kind)) == layout

@@ -70,16 +70,10 @@ def refuse_unrepresentable(cfg: FusedChainConfig, lc: Any, kind: str) -> None:
 
 def refuse_other_target(mine: TargetInfo, ctx: ExportContext, cfg: FusedChainConfig) -> None:
     """The target named for the export must be the one the heads (trained for `mine`) were, in every size they
-    read."""
+    read, and hold the layers they fuse."""
     tc = ctx.target_config
-    theirs = {"hidden size": int(tc.hidden_size), "vocabulary": int(tc.vocab_size)}
-    trained = {"hidden size": mine.hidden_size, "vocabulary": mine.vocab_size}
-    if mine.num_layers is not None:
-        theirs["layers"], trained["layers"] = int(tc.num_hidden_layers), mine.num_layers
-    differ = [f"{k} {trained[k]} (heads) vs {theirs[k]} (target)" for k in theirs if theirs[k] != trained[k]]
-    if differ:
-        raise ValueError(f"these heads were trained for {mine.name} ({mine.describe()}), not this target: "
-                         f"{'; '.join(differ)}; pass the target they were trained for with --target")
+    mine.check_sizes(TargetInfo.from_config(tc, "this target"), subject="these heads were",
+                     fix="pass the target they were trained for with --target")
     check_aux_layers(cfg.aux_layers, int(tc.num_hidden_layers))
 
 

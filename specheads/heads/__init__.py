@@ -4,6 +4,6 @@ Importing this package registers the built-in drafter kinds (`specheads.kinds.KI
 """
 
 from specheads.heads import dflash, dflash2, domino, dspark, eagle, eagle3, medusa, peagle, xpress  # noqa: F401  (each module registers its kind)
-from specheads.heads.checkpoint import TargetInfo, load_drafter, read_checkpoint, save_drafter
+from specheads.heads.checkpoint import TargetInfo, save_drafter
 
-__all__ = ["TargetInfo", "load_drafter", "read_checkpoint", "save_drafter"]
+__all__ = ["TargetInfo", "save_drafter"]

@@ -8,14 +8,14 @@ kind's config class, `target` records which target the heads were trained for (s
 onto a different target fails with a clear message instead of producing garbage drafts), and
 `metadata` is informational (e.g. the last evaluation of the training run); no loader reads it.
 
-`save_drafter` / `load_drafter` are the one way in and out of this format for every kind;
-`drafter_from_checkpoint` builds the module from a checkpoint already read. It is strict: unknown config
-keys, missing or unexpected tensors and shape mismatches are refused by name. Format 1 (before `metadata`)
-kept the training run's last evaluation as `config["eval"]`; it is read as metadata. Formats 1 and 2 named
-the kind `head_type`. Both still load.
+`save_drafter` writes this format for every kind; `specheads.formats.load.load_heads` is the one way to load
+heads (ours or another engine's), through `drafter_from_checkpoint`, which builds the module from a checkpoint
+already read. It is strict: unknown config keys, missing or unexpected tensors and shape mismatches are refused by
+name. Format 1 (before `metadata`) kept the training run's last evaluation as `config["eval"]`; it is read as
+metadata. Formats 1 and 2 named the kind `head_type`. Both still load.
 
-This module knows only our own format. What `--heads` accepts besides (another engine's layout, a Hub id) is
-read by `specheads.formats.load`, which builds on this module: nothing here imports `specheads.formats`.
+This module knows only our own format. Reading any heads folder (ours, another engine's layout, a Hub id) lives in
+`specheads.formats.load`, which builds on this module: nothing here imports `specheads.formats`.
 """
 
 from __future__ import annotations
@@ -60,29 +60,43 @@ class TargetInfo:
     num_layers: int | None  # None: not recorded (an imported foreign checkpoint); not checked then
 
     @classmethod
-    def from_model(cls, model: nn.Module, name: str) -> TargetInfo:
-        cfg = model.config.get_text_config()
+    def from_config(cls, config: Any, name: str) -> TargetInfo:
+        """The target a HF config describes (a model's, or its text config); its vocabulary is `vocab_size`."""
+        cfg = config.get_text_config()
         return cls(name=str(name), model_type=str(cfg.model_type), hidden_size=int(cfg.hidden_size),
-                   vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-                   num_layers=int(cfg.num_hidden_layers))
+                   vocab_size=int(cfg.vocab_size), num_layers=int(cfg.num_hidden_layers))
+
+    @classmethod
+    def from_model(cls, model: nn.Module, name: str) -> TargetInfo:
+        # the heads score the output embeddings' rows, which a padded LM head makes more than config.vocab_size
+        return replace(cls.from_config(model.config, name),
+                       vocab_size=int(model.get_output_embeddings().weight.shape[0]))
 
     def describe(self) -> str:
         return f"hidden {self.hidden_size}, vocab {self.vocab_size}" + (
             "" if self.num_layers is None else f", {self.num_layers} layers")
 
+    def check_sizes(self, other: TargetInfo, *, subject: str, fix: str, label: str = "heads") -> None:
+        """Raise ValueError when the target `other` differs from this one (the target the heads were trained for)
+        in a size the heads depend on: hidden size, vocabulary and, when both record it, layer count. The message
+        starts with `subject` (e.g. "these heads were"), lists each differing size ("hidden size 576 (heads) vs 960
+        (target)", `label` naming what was trained) and ends with `fix`."""
+        sizes = {"hidden size": (self.hidden_size, other.hidden_size),
+                 "vocabulary": (self.vocab_size, other.vocab_size)}
+        if self.num_layers is not None and other.num_layers is not None:
+            sizes["layers"] = (self.num_layers, other.num_layers)
+        differ = [f"{what} {mine} ({label}) vs {theirs} (target)" for what, (mine, theirs) in sizes.items()
+                  if mine != theirs]
+        if differ:
+            raise ValueError(f"{subject} trained for target {self.name} ({self.describe()}), not this target: "
+                             f"{'; '.join(differ)}; {fix}")
+
     def check_compatible(self, model: nn.Module, name: str | None = None, *,
                          checkpoint: str | os.PathLike | None = None) -> None:
         """Raise ValueError when `model` differs in a size the heads depend on; warn on a mere name change."""
-        other = TargetInfo.from_model(model, name or "this target")
-        if self.num_layers is None:
-            other = replace(other, num_layers=None)
         where = f"heads in {checkpoint}" if checkpoint is not None else "these heads"
-        if (other.hidden_size, other.vocab_size, other.num_layers) != (self.hidden_size, self.vocab_size,
-                                                                       self.num_layers):
-            raise ValueError(
-                f"{where} were trained for target {self.name} ({self.describe()}); this target has "
-                f"{other.describe()}: train heads for this target or pass the matching --target"
-            )
+        self.check_sizes(TargetInfo.from_model(model, name or "this target"), subject=f"{where} were",
+                         fix="train heads for this target or pass the matching --target")
         if name is not None and name != self.name:
             log.warning("%s were trained for target %s, now used with %s (same sizes; fine if it is the same model)",
                         where, self.name, name)
@@ -156,18 +170,6 @@ class Checkpoint:
     metadata: dict
 
 
-def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read our checkpoint folder (any kind, format 1, 2 or 3); ValueError naming the fix when it is not one.
-    Another engine's layout or a Hub id is read by `specheads.formats.load.read_heads`."""
-    folder = Path(path)
-    meta = read_config(folder)
-    if isinstance(meta, dict) and not is_ours(meta):
-        raise ValueError(f"checkpoint {folder}: {CONFIG_NAME} is not specheads' own format (it lacks "
-                         "'format_version' or 'kind'); read another engine's layout with "
-                         "specheads.formats.load.read_heads")
-    return checkpoint_from_config(folder, meta)
-
-
 def read_config(folder: Path) -> Any:
     """The parsed config.json of a heads folder, ours or another engine's; ValueError naming the fix when the
     folder or the file is missing or is not JSON."""
@@ -230,14 +232,6 @@ def save_drafter(path: str | os.PathLike, module: nn.Module, target: TargetInfo,
         raise TypeError(f"{kind.name} heads save a {kind.config.__name__}, got {type(config).__name__}")
     save_heads(path, module, kind=kind.name, config=to_dict(config), target=target,
                exclude_prefixes=kind.shared_prefixes, metadata=metadata)
-
-
-def load_drafter(path: str | os.PathLike, target_model: nn.Module, *, kind: str | None = None,
-                 target_name: str | None = None) -> nn.Module:
-    """The drafter saved in our checkpoint folder `path`, built for `target_model` (`drafter_from_checkpoint`).
-    What `--heads` accepts besides (another engine's layout, a Hub id) loads through
-    `specheads.formats.load.load_heads`."""
-    return drafter_from_checkpoint(read_checkpoint(path), target_model, kind=kind, target_name=target_name)
 
 
 def drafter_from_checkpoint(ckpt: Checkpoint, target_model: nn.Module, *, kind: str | None = None,

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from specheads.heads.checkpoint import CONFIG_NAME, TargetInfo, load_drafter, save_drafter
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import CONFIG_NAME, TargetInfo, save_drafter
 from specheads.heads.eagle import EagleConfig, EagleHead
 from tests.conftest import tiny_model
 
@@ -32,7 +33,7 @@ def test_draft_vocab_roundtrip_gives_the_same_draft_logits_and_token_ids(tmp_pat
     saved = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())
     assert saved["config"]["draft_vocab"] == list(ids)
 
-    loaded = load_drafter(tmp_path / "h", target, kind="eagle")
+    loaded = load_heads(tmp_path / "h", target, kind="eagle")
     assert loaded.config.draft_vocab == ids
     tokens, feats = torch.randint(0, 96, (1, 6)), torch.randn(1, 6, head.config.hidden_size)
     positions = torch.arange(6)[None]
@@ -86,7 +87,7 @@ def test_aux_layers_roundtrip(tmp_path, target):
     with torch.no_grad():
         head.fuse.weight.normal_(std=0.1)
     save_drafter(tmp_path / "h", head, TargetInfo.from_model(target, "tiny"))
-    loaded = load_drafter(tmp_path / "h", target, kind="eagle")
+    loaded = load_heads(tmp_path / "h", target, kind="eagle")
     assert loaded.config.aux_layers == (1, 3)
     tokens, positions = torch.randint(0, 96, (1, 5)), torch.arange(5)[None]
     feats = torch.randn(1, 5, head.feature_width)

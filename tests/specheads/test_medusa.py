@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specheads.heads.checkpoint import WEIGHTS_NAME, TargetInfo, load_drafter, save_drafter, save_heads
+from specheads.formats.load import load_heads
+from specheads.heads.checkpoint import WEIGHTS_NAME, TargetInfo, save_drafter, save_heads
 from specheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from tests.conftest import TINY_VOCAB, tiny_model
 
@@ -97,7 +98,7 @@ def test_save_load_roundtrip(tmp_path, target, hidden, own_lm_head):
     cfg = MedusaConfig.for_target(target, num_heads=2, num_layers=2, own_lm_head=own_lm_head)
     heads = perturb(MedusaHeads(cfg, target.get_output_embeddings()))
     save_drafter(tmp_path, heads, TargetInfo.from_model(target, "tiny"), config=replace(cfg, tree=[[0, 0], [0], [1]]))
-    loaded = load_drafter(tmp_path, target)
+    loaded = load_heads(tmp_path, target)
     assert loaded.config == replace(cfg, tree=((0,), (1,), (0, 0))) and isinstance(loaded, MedusaHeads)
     with torch.no_grad():
         torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)
@@ -111,13 +112,13 @@ def test_save_load_roundtrip(tmp_path, target, hidden, own_lm_head):
 def test_loading_rejects_other_targets_and_kinds(tmp_path, target):
     heads = MedusaHeads(MedusaConfig.for_target(target, num_heads=1), target.get_output_embeddings())
     save_drafter(tmp_path / "m", heads, TargetInfo.from_model(target, "tiny"))
-    assert load_drafter(tmp_path / "m", target, kind="medusa").config.tree is None
+    assert load_heads(tmp_path / "m", target, kind="medusa").config.tree is None
     wider = tiny_model("llama", layers=2, vocab=128)
-    with pytest.raises(ValueError, match="vocab 96.*vocab 128"):
-        load_drafter(tmp_path / "m", wider)
+    with pytest.raises(ValueError, match=r"vocabulary 96 \(heads\) vs 128 \(target\)"):
+        load_heads(tmp_path / "m", wider)
     save_heads(tmp_path / "e", heads, kind="eagle", config={}, target=TargetInfo.from_model(target, "tiny"))
     with pytest.raises(ValueError, match="'eagle' heads, not medusa"):
-        load_drafter(tmp_path / "e", target, kind="medusa")
+        load_heads(tmp_path / "e", target, kind="medusa")
 
 
 def test_config_validation(target):
@@ -140,7 +141,7 @@ def test_draft_vocabulary_scores_only_its_tokens_and_roundtrips(tmp_path, target
     torch.testing.assert_close(logits[0], target.lm_head(h)[..., list(vocab)])  # fresh heads: the target's rows
     assert heads.token_ids(torch.tensor([0, 5])).tolist() == [3, 95]
     save_drafter(tmp_path, perturb(heads), TargetInfo.from_model(target, "tiny"))
-    loaded = load_drafter(tmp_path, target)
+    loaded = load_heads(tmp_path, target)
     assert loaded.config == heads.config
     with torch.no_grad():
         torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specheads.heads.checkpoint import load_drafter
+from specheads.formats.load import load_heads
 from specheads.heads.domino import DominoConfig, DominoHead
 from specheads.train.__main__ import main as train_main
 from specheads.train.block_objective import block_outputs, block_step
@@ -82,7 +82,7 @@ def test_the_recipe_hands_lambda_the_share_of_the_run_and_the_drafter_keeps_none
     assert [r["lambda_base"] for r in rows if "lambda_base" in r] == [1.0, 0.75, 0.5, 0.25]
     saved = load_file(out / "final" / "model.safetensors")
     assert not any("progress" in name or "trained" in name for name in saved)
-    assert load_drafter(out / "final", tiny_model("llama", seed=0)).run_progress == 0.0
+    assert load_heads(out / "final", tiny_model("llama", seed=0)).run_progress == 0.0
 
 
 def soft_ce(p: torch.Tensor, logits: torch.Tensor) -> float:

@@ -180,7 +180,7 @@ def test_an_adapter_that_is_missing_or_does_not_fit_is_refused(run, tiny_run_inp
     cases = [(tmp_path / "none", "does not exist; pass a medusa2 run's final/adapter folder"),
              (run / "final", "has no adapter_config.json"),
              (foreign, "does not fit this target"),
-             (other, "was trained on target")]
+             (other, "was trained for target")]
     for folder, message in cases:
         code = cli_main(["generate", "--target", str(tiny_run_inputs[0]), "--adapter", str(folder), "--prompt", "w5",
                          "--max-new-tokens", "2"])

@@ -131,7 +131,8 @@ def test_bad_input_is_refused_by_name(target_dir, tmp_path):
     save_file(state, heads / "model.safetensors")
 
     export(heads, "speculators", tmp_path / "spec")
-    with pytest.raises(ValueError, match="were trained for target .*hidden 64, vocab 96.*this target has hidden 32"):
+    with pytest.raises(ValueError, match=r"were trained for target .*hidden 64, vocab 96.*not this target: hidden "
+                                         r"size 64 \(heads\) vs 32 \(target\)"):
         load_heads(tmp_path / "spec", tiny_model("llama", hidden=32))
     spec_state = load_file(tmp_path / "spec" / "model.safetensors")
     save_file({**spec_state, "lm_head.weight": torch.zeros(100, 64), "d2t": torch.zeros(100, dtype=torch.long)},

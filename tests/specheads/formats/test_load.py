@@ -1,5 +1,5 @@
-"""What `--heads` names is read in one place (`specheads.formats.load`): our folders as the checkpoint module reads
-them, another engine's through the importers; the checkpoint module itself reads only ours."""
+"""What `--heads` names is read in one place (`specheads.formats.load`): our folders whole, another engine's through
+the importers, and anything else refused naming what it accepts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specheads.formats.load import read_heads
-from specheads.heads.checkpoint import CONFIG_NAME, TargetInfo, read_checkpoint, save_heads
+from specheads.heads.checkpoint import CONFIG_NAME, TargetInfo, save_heads
 from tests.conftest import tiny_model
 
 
@@ -27,22 +27,21 @@ def save_ours(path, target) -> None:
     save_heads(path, module, kind="toy", config={"width": 4}, target=TargetInfo.from_model(target, "tiny"))
 
 
-def test_our_folder_reads_the_same_through_either_reader(tmp_path, target):
+def test_our_folder_reads_whole(tmp_path, target):
     save_ours(tmp_path, target)
-    ours, any_ = read_checkpoint(tmp_path), read_heads(tmp_path)
-    assert (any_.path, any_.kind, any_.config, any_.target, any_.metadata) == (
-        ours.path, ours.kind, ours.config, ours.target, ours.metadata)
-    assert any_.state.keys() == ours.state.keys()
-    assert all(torch.equal(any_.state[k], ours.state[k]) for k in ours.state)
+    ckpt = read_heads(tmp_path)
+    assert (ckpt.path, ckpt.kind, ckpt.config, ckpt.target, ckpt.metadata) == (
+        tmp_path, "toy", {"width": 4}, TargetInfo.from_model(target, "tiny"), {})
+    assert ckpt.state.keys() == {"own.weight", "own.bias"}
 
 
-def test_a_foreign_folder_goes_to_the_importers_and_the_checkpoint_module_points_there(tmp_path):
+def test_a_folder_neither_ours_nor_a_known_layout_is_refused_naming_the_fix(tmp_path):
     (tmp_path / CONFIG_NAME).write_text(json.dumps({"architectures": ["Mystery"]}))
     save_file({"w": torch.zeros(1)}, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"holds no drafter layout specheads reads.*matches none of"):
+    with pytest.raises(ValueError, match=r"holds no drafter layout specheads reads: its config.json has no 'kind' "
+                                         r"\(our format\) and matches none of: .*Pass a specheads training run's "
+                                         r"final/ folder or one of those"):
         read_heads(tmp_path)
-    with pytest.raises(ValueError, match=r"not specheads' own format.*specheads\.formats\.load\.read_heads"):
-        read_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["no-folder", "no-config", "bad-json", "not-an-object", "missing-key"])
@@ -64,6 +63,5 @@ def test_broken_folders_are_refused_as_before(tmp_path, target, damage):
     expected = {"no-folder": "does not exist or is not a folder", "no-config": "has no config.json",
                 "bad-json": "is corrupt", "not-an-object": r"lacks \['config', 'target', 'format_version'\]",
                 "missing-key": r"lacks \['target'\]"}[damage]
-    for read in (read_heads, read_checkpoint):
-        with pytest.raises(ValueError, match=expected):
-            read(folder)
+    with pytest.raises(ValueError, match=expected):
+        read_heads(folder)
