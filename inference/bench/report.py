@@ -98,6 +98,17 @@ def machine_text(machine: dict) -> str:
     return "\n".join(lines)
 
 
+def answered_text(config: dict) -> str | None:
+    """How many of the run's questions every method answered, and the time budget that stopped it, if any (None
+    before the run has counted them)."""
+    if "questions_answered" not in config:
+        return None
+    text = f"Questions answered by every method: {config['questions_answered']} of {config['num_questions']}"
+    if config.get("max_minutes"):
+        text += f" (none begun after {config['max_minutes']:g} minutes)"
+    return text
+
+
 def summary_markdown(report: BenchReport) -> str:
     cfg = report.config
     parts = ["# specheads bench", ""]
@@ -108,6 +119,8 @@ def summary_markdown(report: BenchReport) -> str:
         parts += ["; ".join(f"{k}: {show(v)}" for k, v in cfg.items() if k not in ("versions", "machine")), ""]
         if "machine" in cfg:
             parts += ["## Machine", "", machine_text(cfg["machine"]), ""]
+    if answered := answered_text(cfg):
+        parts += [answered, ""]
     parts += ["## Overall", "", markdown_table(report.overall), "",
               "## Per category", "", markdown_table(report.by_category, with_category=True), ""]
     if report.llamacpp_exact:

@@ -124,6 +124,8 @@ def _print_report(done) -> None:
     from specheads.inference.bench import report as bench_report
     from specheads.inference.bench.llamacpp_spec import plain_of
 
+    if answered := bench_report.answered_text(done.report.config):
+        print(answered)
     print(bench_report.markdown_table(done.report.overall))
     print()
     print(bench_report.markdown_table(done.report.by_category, with_category=True))

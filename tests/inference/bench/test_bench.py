@@ -455,10 +455,12 @@ def test_a_budget_ends_the_run_between_questions_with_every_method_on_the_same_o
 def test_max_minutes_answers_a_balanced_prefix_and_says_so(tiny_model_dir, questions_file, tmp_path, capsys):
     out_dir = tmp_path / "bench"
     # a budget spent during the warm-up: the first question (writing) is still answered by every method, no other
-    code, _, _ = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,ngram", "--questions", str(questions_file),
-                          "--max-new-tokens", "4", "--max-minutes", "1e-9", "--output", str(out_dir), "--no-plots"],
-                         capsys)
+    code, out, _ = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,ngram", "--questions",
+                            str(questions_file), "--max-new-tokens", "4", "--max-minutes", "1e-9", "--output",
+                            str(out_dir), "--no-plots"], capsys)
     assert code == 0
+    said = "Questions answered by every method: 1 of 3 (none begun after 1e-09 minutes)"
+    assert said in out and said in (out_dir / "summary.md").read_text()
     assert [(r["question_id"], r["method"]) for r in read_rows(out_dir)] == [(1, "ar"), (1, "ngram")]
     config = json.loads((out_dir / "config.json").read_text())
     assert config["max_minutes"] == 1e-9 and config["questions_answered"] == 1 and config["num_questions"] == 3

@@ -21,6 +21,9 @@ from tests.conftest import perturbed_copy, repetitive_prompt, tiny_model
 from tests.inference.engine.test_engine_rows import MAX_NEW, PROMPTS, decode_together
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+# The compiled stack is one graph of every layer, each the same code: two layers check what four would, and halve
+# inductor's compile time.
+COMPILED_LAYERS = 2
 TREE = DraftTree(tokens=torch.tensor([5, 6, 7, 8, 9]), parents=torch.tensor([-1, 0, 0, 1, 1]))
 
 
@@ -50,7 +53,7 @@ def test_logits_and_hidden_states_are_the_hf_forwards(arch, compiled, monkeypatc
     planned layout, whose products the compiled graph runs on each layer's own kernels (`specheads::planned_linear`):
     every fused product of every layer runs through its PlannedLinear each time; the other families' products are
     inductor's."""
-    model = tiny_model(arch)
+    model = tiny_model(arch, layers=COMPILED_LAYERS)
     assert lean_unsupported(model) is None
     if arch == "qwen3":
         set_linear_layout(model, "packed" if packing_available(torch.float32) else "transposed")
@@ -166,7 +169,7 @@ def test_the_hf_forward_still_writes_through_the_cache_update():
 def test_the_compiled_forward_decodes_plain_greedy_and_never_recompiles_per_step():
     from torch._dynamo.utils import counters
 
-    model = tiny_model("qwen3")  # the per-head norms go through the compiled code too
+    model = tiny_model("qwen3", layers=COMPILED_LAYERS)  # the per-head norms go through the compiled code too
     prompts = [repetitive_prompt(seed=1), repetitive_prompt(length=13, seed=2)]
     plain = [Engine(model, AutoregressiveProposer(), step="hf").generate(p, max_new_tokens=30).output_ids
              for p in prompts]
@@ -189,7 +192,7 @@ def test_the_first_compiled_step_compiles_the_graph_a_later_prompt_needs():
     first step compiled beside its own, so no generation after the first waits for a compile."""
     from torch._dynamo.utils import counters
 
-    model = tiny_model("llama")
+    model = tiny_model("llama", layers=COMPILED_LAYERS)
     prompts = [repetitive_prompt(seed=3), repetitive_prompt(length=17, seed=4)]
     plain = [Engine(model, AutoregressiveProposer(), step="hf").generate(p, max_new_tokens=12).output_ids
              for p in prompts]
