@@ -75,10 +75,12 @@ if [[ -n "${SPECHEADS_SETUP_TIMES:-}" ]]; then  # scripts/run.sh's phases.txt: t
 fi
 
 if [[ "$run_tests" == 1 ]]; then
-    # Two workers (pytest-xdist), whole files to each so module fixtures are built once; the conftest gives each
-    # worker its share of the cores. SPECHEADS_TEST_WORKERS=0 runs in one process.
+    # Two workers (pytest-xdist); each starts on its half of the tests in file order and takes work from the other's
+    # queue once its own is done: the workers finish together, and a module's fixtures are built twice only where its
+    # tests end up on both (docs/results.md, "the main job and the suite within their budgets"). The conftest gives
+    # each worker its share of the cores. SPECHEADS_TEST_WORKERS=0 runs in one process.
     workers="${SPECHEADS_TEST_WORKERS:-2}"
     echo "==> running tests ($workers workers)"
-    exec "$python" -m pytest -q -n "$workers" --dist loadfile "$@"
+    exec "$python" -m pytest -q -n "$workers" --dist worksteal "$@"
 fi
 echo "==> done; activate with: . $venv/bin/activate"
