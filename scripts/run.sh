@@ -16,9 +16,10 @@
 #      or a Spec-Bench/MT-bench JSONL file, 3 questions of each category), in one interleaved run: HF `generate` (on a
 #      GPU also with its static cache and torch.compile, `hf-static`: on a CPU its compilation takes minutes and it
 #      decoded 0.93-0.94x plain `generate` in bf16, docs/results.md 2026-12-03), `ar` and `ngram` on the engine's
-#      lean forward, and the P-EAGLE heads as they ship. On a CPU with native bf16 it decodes in bf16, the fast choice there: outputs may
-#      part from `ar`'s at near-ties, and the bench reports each divergence's fp32 logit margin (the bf16 rule,
-#      README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact). In the same run,
+#      lean forward, and the P-EAGLE heads as they ship. On a CPU with native bf16 it decodes in bf16, the fast
+#      choice there: outputs may part from `ar`'s at near-ties, and the bench reports each divergence's fp32 logit
+#      margin (the bf16 rule, README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact).
+#      In the same run,
 #      llama.cpp (built by set-up, cached) decodes on the same weights at the same precision, plain and with the
 #      P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not). The bench
 #      begins no question after BENCH_MINUTES (at most 8, within JOB_MINUTES below; categories take turns, every
