@@ -12,4 +12,5 @@ packages = [name for name in ROOTS if name != "specheads"] + ["specheads"]
 for name, folder in ROOTS.items():
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=sorted(set(packages)), package_dir=ROOTS)
+# the C++ source of the engine's libllama, compiled on the user's machine against llama.cpp's headers
+setup(packages=sorted(set(packages)), package_dir=ROOTS, package_data={"specheads.llamacpp": ["*.cpp"]})

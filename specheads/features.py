@@ -24,6 +24,11 @@ def feature_rows(hidden_states: Sequence[torch.Tensor], aux_layers: Sequence[int
     return torch.cat([hidden_states[i] for i in aux_layers] + [hidden_states[-1]], dim=-1)
 
 
+def feature_layers(aux_layers: Sequence[int]) -> tuple[int, ...]:
+    """The hidden_states indices `feature_rows` reads: the aux layers and the last (-1)."""
+    return (*aux_layers, -1)
+
+
 def check_aux_layers(aux_layers: Sequence[int], num_target_layers: int) -> None:
     """Aux layers index the target's hidden_states strictly between the embeddings and the last layer."""
     if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < i < num_target_layers for i in aux_layers):

@@ -142,12 +142,14 @@ def start_proposer(proposer, target: torch.nn.Module, prompt: list[int], max_dep
 def _verify_cost_cache(tmp_path_factory, monkeypatch):
     """Node budgets in tests decide on one fixed, mildly rising verify-cost curve, cached in a temporary folder
     (never the user's): a curve measured on a busy machine could make a test draft nothing. Measuring itself is
-    tested in tests/inference/proposers/test_node_budget.py (`measure_verify_cost`)."""
+    tested in tests/inference/proposers/test_node_budget.py (`measure_verify_cost`) and, on llama.cpp,
+    tests/inference/engine/test_llamacpp_backend.py (`measure_backend_verify_cost`)."""
     import specheads.inference.proposers.verify_cost as verify_cost
 
     folder = tmp_path_factory.getbasetemp() / "verify-cost"
     monkeypatch.setattr(verify_cost, "default_cache_dir", lambda: folder)
     monkeypatch.setattr(verify_cost, "measure_verify_cost", lambda *args, **kwargs: TEST_VERIFY_COST)
+    monkeypatch.setattr(verify_cost, "measure_backend_verify_cost", lambda *args, **kwargs: TEST_VERIFY_COST)
 
 
 # A tree of 8 nodes costs 1.2 one-token steps, 32 nodes 1.8: trees pay when drafts are accepted at all.

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from specheads.inference.bench.llamacpp_spec import LlamaCppOptions
+from specheads.inference.engine.llamacpp_backend import CACHE_TYPES
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.stats import GenerationStats
 
@@ -23,11 +24,6 @@ from specheads.inference.engine.stats import GenerationStats
 def run_precision(options: LlamaCppOptions, dtype: torch.dtype) -> str:
     """The target GGUF's precision: the method's own, else the run's (bf16 for a bf16 run, f32 otherwise)."""
     return options.precision or ("bf16" if dtype == torch.bfloat16 else "f32")
-
-
-# The KV cache in the weights' precision, as our engine keeps it: llama.cpp's default f16 cache would round an F32
-# or BF16 run's attention differently from ours. Quantized weights keep llama.cpp's default.
-CACHE_TYPES = {"f32": "f32", "bf16": "bf16"}
 
 
 class LlamaCppRunner:

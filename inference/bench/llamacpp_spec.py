@@ -20,6 +20,9 @@ PRECISIONS = ("f32", "bf16", "q8_0", "q4_1")
 DEFAULT_DRAFT_MAX = 3  # llama.cpp's own default --spec-draft-n-max
 _DRAFT_MAX = re.compile(r"\+draft_max=(\d+)$")
 _PRECISION = re.compile(r"@([a-z0-9_]+)$")
+# an engine method on llama.cpp's kernels (`+backend=llamacpp`, method_spec.py) and its target GGUF's precision
+_ON_LLAMACPP = re.compile(r"\+backend=llamacpp(?=\+|$)")
+_GGUF = re.compile(r"\+gguf=([a-z0-9_]+)(?=\+|$)")
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,12 @@ def _saved_kind(path: Path) -> str | None:
 
 def plain_of(name: str) -> str | None:
     """The plain llama.cpp method at the same precision as the drafting one `name` (its own exactness reference:
-    `llamacpp+KIND:DIR@q4_1+draft_max=1` -> `llamacpp@q4_1`); None for a name that drafts nothing. Read from the
-    name alone: the heads need not exist any more."""
+    `llamacpp+KIND:DIR@q4_1+draft_max=1` -> `llamacpp@q4_1`; an engine method on llama.cpp's kernels,
+    `ngram+backend=llamacpp+gguf=q4_1` -> `llamacpp@q4_1`); None for a name that drafts nothing on llama.cpp. Read
+    from the name alone: the heads need not exist any more."""
+    if _ON_LLAMACPP.search(name):
+        gguf = _GGUF.search(name)
+        return METHOD + (f"@{gguf[1]}" if gguf else "")
     if not is_llamacpp(name) or not name.startswith(f"{METHOD}+"):
         return None
     rest = _DRAFT_MAX.sub("", name)

@@ -5,7 +5,9 @@ A spec is an engine method of `specheads.inference.methods.METHODS` (`ar`, `ngra
 suffix to run the same heads with another tree, and `+OPTION=VALUE` suffixes set any of the method's options,
 e.g. `+lookup=0` for the heads alone or `+draft_dtype=int8`; every engine method also takes `+compile=1` or `+compile=0`
 to run with or without `--compile` whatever the run's flag, so the two compare in one interleaved run, and
-`+structured=1` to decode each question under its `response_format`, a grammar: structured outputs) or a
+`+structured=1` to decode each question under its `response_format`, a grammar: structured outputs; and
+`+backend=llamacpp[+gguf=PRECISION]` to run the target forward on llama.cpp's kernels, on the target's GGUF at the
+run's precision or the one named) or a
 transformers baseline: `hf` (`generate`),
 `hf-static` (`generate` with a static KV cache and its decode step compiled by `torch.compile`), `hf-assisted:PATH`
 (assisted generation with a draft model) and `hf-pld[:N]` (prompt-lookup decoding, N draft tokens); or llama.cpp:
@@ -20,14 +22,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from specheads.inference.bench.llamacpp_spec import METHOD as LLAMACPP
-from specheads.inference.bench.llamacpp_spec import is_llamacpp, parse_llamacpp
+from specheads.inference.bench.llamacpp_spec import PRECISIONS, is_llamacpp, parse_llamacpp
 from specheads.inference.methods import METHODS
 
 BASELINES = ("hf", "hf-assisted", "hf-pld", "hf-static")
 # "KIND:DIR+lookup=0+draft_dtype=int8": trailing option settings (the value may not contain "+" or "@")
 _OPTION_SUFFIX = re.compile(r"\+([a-z][a-z0-9_-]*)=([^+@]*)$")
 # suffixes every engine method takes: how the engine runs the target, not an option of the method
-ENGINE_SETTINGS = ("compile", "structured")
+ENGINE_SETTINGS = ("compile", "structured", "backend", "gguf")
+BACKENDS = ("torch", "llamacpp")  # what runs the target under an engine method (`+backend=`)
 PLD_TOKENS = 10  # hf-pld draft length when none is given (the transformers docs' example value)
 
 
@@ -45,6 +48,8 @@ class MethodSpec:
     settings: tuple[tuple[str, str], ...] = ()  # every "+OPTION=VALUE" suffix, as written
     compile: bool | None = None  # from a "+compile=0|1" suffix (None: the run's --compile)
     structured: bool = False  # "+structured=1": decode each question under its response_format (a grammar)
+    backend: str = "torch"  # "+backend=llamacpp": the target forward on llama.cpp's kernels (llamacpp_backend.py)
+    gguf: str | None = None  # "+gguf=PRECISION" with it: the target GGUF's (None: the run's dtype, as `llamacpp`)
     options: Any = None  # the engine method's options (None for the HF baselines)
 
 
@@ -98,6 +103,13 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
     settings = dict(reversed(found))
     compile = _flag(name, "compile", settings.pop("compile")) if "compile" in settings else None
     structured = _flag(name, "structured", settings.pop("structured")) if "structured" in settings else False
+    backend, gguf = settings.pop("backend", "torch"), settings.pop("gguf", None)
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}: +backend= takes {' or '.join(BACKENDS)}, got {backend!r}")
+    if gguf is not None and (backend != "llamacpp" or gguf not in PRECISIONS):
+        raise ValueError(f"{name}: +gguf= goes with +backend=llamacpp and takes {', '.join(PRECISIONS)}, got {gguf!r}")
+    if backend == "llamacpp" and compile:
+        raise ValueError(f"{name}: +compile=1 compiles our PyTorch forward; +backend=llamacpp runs llama.cpp's")
     if m.arg is None and arg:
         if unknown := _OPTION_SUFFIX.search(arg):  # no path to hide in: any suffix left names an unknown option
             takes = ", ".join(f.name for f in fields(m.options)) or "none"
@@ -118,7 +130,8 @@ def _engine_spec(name: str, method: str, arg: str) -> MethodSpec:
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
     return MethodSpec(name=name, method=method, arg=arg or None, tree=tree, lookup=values.get("lookup"),
-                      settings=tuple(settings.items()), compile=compile, structured=structured, options=options)
+                      settings=tuple(settings.items()), compile=compile, structured=structured, backend=backend,
+                      gguf=gguf, options=options)
 
 
 def _flag(name: str, key: str, text: str) -> bool:

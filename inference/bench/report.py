@@ -40,7 +40,8 @@ def build_report(records: list[Record], *, greedy: bool, config: dict | None = N
 
 
 def llamacpp_exactness(records: list[Record]) -> dict[str, str]:
-    """{llama.cpp method drafting with our heads: "k/n" of its outputs equal to plain llama.cpp's, same prompt}."""
+    """{method drafting on llama.cpp (its own drafting with our heads, or our engine on its kernels): "k/n" of its
+    outputs equal to plain llama.cpp's, same prompt}."""
     outputs = {(r.method, r.question_id, r.turn): r for r in records}
     counts: dict[str, list[bool]] = {}
     for r in records:
@@ -124,7 +125,7 @@ def summary_markdown(report: BenchReport) -> str:
     parts += ["## Overall", "", markdown_table(report.overall), "",
               "## Per category", "", markdown_table(report.by_category, with_category=True), ""]
     if report.llamacpp_exact:
-        parts += ["## llama.cpp with our heads against llama.cpp alone", ""]
+        parts += ["## Drafting on llama.cpp against llama.cpp alone", ""]
         parts += [f"- {m}: {k} outputs equal to {plain_of(m)}'s" for m, k in report.llamacpp_exact.items()]
         parts.append("")
     if report.mismatches:

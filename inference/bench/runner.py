@@ -226,8 +226,17 @@ def _build_runner(target: PreTrainedModel, spec: MethodSpec, load_draft: DraftLo
     if spec.method == "hf-pld":
         return _HFGenerate(target, prompt_lookup_tokens=int(spec.arg or PLD_TOKENS))
     log = RejectionLog() if diagnose else None
-    engine = Engine(target, make_proposer(spec.method, target, spec.options, load_draft), speculation=log,
-                    step=step, compile=compile if spec.compile is None else spec.compile)
+    proposer = make_proposer(spec.method, target, spec.options, load_draft)
+    if spec.backend == "llamacpp":  # the target forward on llama.cpp's kernels, as `llamacpp` runs them
+        from specheads.inference.engine.llamacpp_backend import llamacpp_backend
+
+        gguf = spec.gguf or ("bf16" if target.dtype == torch.bfloat16 else "f32")
+        backend = llamacpp_backend(target_name or target.config.name_or_path, gguf,
+                                   threads=torch.get_num_threads())
+        engine = Engine(target, proposer, speculation=log, backend=backend)
+    else:
+        engine = Engine(target, proposer, speculation=log, step=step,
+                        compile=compile if spec.compile is None else spec.compile)
     if spec.structured and tokenizer is None:
         raise ValueError(f"{spec.name}: +structured=1 needs the target's tokenizer (build_runners tokenizer=)")
     return _EngineRunner(engine, log, tokenizer if spec.structured else None)

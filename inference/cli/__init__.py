@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     return _parser(COMMANDS)
 
 
+def runs_llamacpp_here(argv: list[str]) -> bool:
+    """Whether the command line runs llama.cpp's kernels in this process: `--backend llamacpp`, or a bench method with
+    `+backend=llamacpp`."""
+    return ("--backend=llamacpp" in argv or ("--backend", "llamacpp") in zip(argv, argv[1:])
+            or any("+backend=llamacpp" in a for a in argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [train.NAME]:
@@ -46,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     # OpenMP threads that wait by sleeping, not spinning (unless the user chose otherwise), set before torch loads its
     # OpenMP runtime: beside another busy process a spinning thread that lost its core stalls every product, and a
     # two-thread step on a 2-core CPU took 2.0-2.4x its idle time where sleeping threads took 1.2x
-    # (scripts/lab/bench_threads.py, docs/results.md 2026-12-05). Training keeps OpenMP's own default.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # (scripts/lab/bench_threads.py, docs/results.md 2026-12-05). Training keeps OpenMP's own default, and so does a
+    # command that runs llama.cpp in this process (its kernels meet at an OpenMP barrier after every operation: with
+    # sleeping threads a one-token step took 2.3x as long; docs/results.md 2026-12-07).
+    if not runs_llamacpp_here(argv):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Only -v/-h come before the subcommand, so the first item that names one is it.
     parser = _parser([next((a for a in argv if a in COMMANDS), "")])
     args = parser.parse_args(argv)

@@ -53,6 +53,14 @@ def add_model_settings(p: argparse.ArgumentParser) -> None:
                    help="compile the lean forward's decoder layers as one torch.compile graph (weights frozen in; "
                         "dynamic shapes: a few graphs serve every width and length; a minute or more per graph on a "
                         "small CPU, cached by torch's compile cache after); greedy output stays exact")
+    p.add_argument("--backend", default="torch", choices=("torch", "llamacpp"),
+                   help="what runs the target under the engine: torch (our PyTorch forward, --step and --compile) or "
+                        "llamacpp (llama.cpp's CPU kernels through libllama, built once from the pinned release; the "
+                        "same proposers, trees, verification and sampling; docs/llamacpp.md)")
+    p.add_argument("--gguf", metavar="PRECISION|FILE",
+                   help="with --backend llamacpp: the target's GGUF, a precision (f32, bf16, q8_0: converted once by "
+                        "llama.cpp's converter and cached; q4_1: the default target's shipped file) or a .gguf file of "
+                        "the same weights. Default: f32, or bf16 with --dtype bfloat16")
     p.add_argument("--fp32-head", action="store_true",
                    help="with --dtype bfloat16/float16: compute the target's final norm and LM head in fp32, so logits "
                         "near a tie round alike in one-token and tree steps (costs an fp32 LM head product per "
@@ -123,6 +131,26 @@ def load_model(args: argparse.Namespace):
 
     return load_target(args.target, device=args.device, dtype=args.dtype, weight_layout=args.weight_layout,
                        fp32_head=args.fp32_head, adapter=args.adapter)
+
+
+def target_backend(args: argparse.Namespace, max_rows: int = 1):
+    """The backend `--backend` names for an engine of `max_rows` rows; None for our PyTorch forward (which the engine
+    builds from --step and --compile)."""
+    if args.backend == "torch":
+        if args.gguf:
+            raise ValueError("--gguf names the target's GGUF for --backend llamacpp; add --backend llamacpp or drop it")
+        return None
+    if args.step != "auto" or args.compile:
+        raise ValueError("--step and --compile choose our PyTorch forward; --backend llamacpp runs llama.cpp's")
+    if args.device != "cpu":
+        raise ValueError(f"--backend llamacpp runs on the CPU, not --device {args.device}; drop --device or use "
+                         "--backend torch")
+    import torch
+
+    from specheads.inference.engine.llamacpp_backend import llamacpp_backend
+
+    gguf = args.gguf or ("bf16" if args.dtype in ("bfloat16", "bf16") else "f32")
+    return llamacpp_backend(args.target, gguf, max_rows=max_rows, threads=torch.get_num_threads())
 
 
 def draft_loader(model, tokenizer, args: argparse.Namespace):

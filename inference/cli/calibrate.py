@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> None:
     from specheads.target import render_chat
 
     options = shared.method_options(args)  # checked before anything loads
+    if args.backend != "torch":
+        raise ValueError("calibrate times our PyTorch forward only; --backend llamacpp is not calibrated yet (serve "
+                         "it with --speculation on or off)")
     questions = load_questions(args.questions, per_category=args.per_category)
     if args.output.is_dir():
         raise ValueError(f"--output {args.output} is a folder; name the JSON file to write")

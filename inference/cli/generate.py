@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> None:
     out_file = _open_output(args.output)  # fail now, not after minutes of generation
 
     model, tokenizer = shared.load_model(args)
+    backend = shared.target_backend(args)
     engine = Engine(model, shared.make_method(args, options, model, tokenizer)[0], step=args.step,
-                    compile=args.compile)
+                    compile=args.compile, backend=backend)
     settings = dict(num_turns=args.turn, max_new_tokens=args.max_new_tokens, sampling=sampling,
                     stop_token_ids=stop_token_ids(tokenizer, model))
 

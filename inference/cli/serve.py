@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> None:
     from specheads.target import stop_token_ids
 
     options = shared.method_options(args)  # checked before anything loads
+    if args.backend != "torch" and args.calibration:
+        raise ValueError("a calibration measures our PyTorch forward, not --backend llamacpp's; serve without "
+                         "--calibration (--speculation on or off) on llama.cpp")
     mode, profile = speculation_mode(args.speculation, args.calibration)
     limits = ServiceLimits(max_queue=args.max_queue, max_tokens=args.max_tokens, request_timeout_s=args.request_timeout,
                            shutdown_timeout_s=args.shutdown_timeout)
@@ -67,5 +70,6 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer = shared.load_model(args)
     proposer, label = shared.make_method(args, options, model, tokenizer)
     engine = serving_engine(model, proposer, label=label, max_batch=args.max_batch, mode=mode, profile=profile,
-                            calibration=args.calibration, step=args.step, compile=args.compile)
+                            calibration=args.calibration, step=args.step, compile=args.compile,
+                            backend=shared.target_backend(args, max_rows=args.max_batch))
     serve(engine, tokenizer, stop_token_ids(tokenizer, model), settings, limits, host=args.host, port=args.port)

@@ -17,22 +17,23 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.engine.batch_cache import BatchKVCache
 from specheads.inference.engine.fallback import FallbackHandler, FallbackProposer
-from specheads.inference.engine.forward import (
-    batch_forward,
-    check_tree_attention,
-    model_device,
-    model_max_context,
-    prefill_forward,
-)
 from specheads.inference.engine.generation import Generation, GenerationResult, Request
-from specheads.inference.engine.layer_attention import layer_attention
-from specheads.inference.engine.lean_forward import target_forward
+from specheads.inference.engine.lean_forward import LeanForward
 from specheads.inference.engine.output_constraint import UNCONSTRAINED, OutputConstraint
-from specheads.inference.engine.proposer import ProposalContext, Proposer, finish, finished, fork, propose_rows
+from specheads.inference.engine.proposer import (
+    ProposalContext,
+    Proposer,
+    finish,
+    finished,
+    fork,
+    propose_rows,
+    target_layers,
+    verified_on,
+)
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.speculation import AlwaysSpeculate, Speculation
+from specheads.inference.engine.target_backend import TargetBackend, TargetHidden, TorchBackend
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult, verify
 
@@ -55,31 +56,42 @@ class Engine:
     any other, and `fallback` is told the reason; without it the error propagates (benchmarks and tests want proposer
     bugs loud).
 
-    `step` chooses the target's forward: "lean" (`lean_forward.py`: fused projections, fewer calls; Llama-family
-    targets), "hf" (the model's own forward) or "auto" (lean where the target's family allows it). Every step of a
-    run, `ar`'s included, uses the same one. `compile` compiles the lean forward's elementwise work (torch.compile,
-    once per process for every layer and width; refused with the HF forward)."""
+    `backend` runs the target's forwards and holds its cache (`target_backend.py`); by default our PyTorch forward of
+    `model`, where `step` chooses it: "lean" (`lean_forward.py`: fused projections, fewer calls; Llama-family
+    targets), "hf" (the model's own forward) or "auto" (lean where the target's family allows it), and `compile`
+    compiles the lean forward's elementwise work (torch.compile, once per process for every layer and width; refused
+    with the HF forward). Every step of a run, `ar`'s included, uses the same one. With another backend (llama.cpp's:
+    `llamacpp_backend.py`), `model` is the same target's HF model, read for its config and by proposers that use its
+    weights (heads share its embeddings)."""
 
     def __init__(self, model: PreTrainedModel, proposer: Proposer, *, max_context: int | None = None,
                  fallback: FallbackHandler | None = None, max_rows: int = 1,
-                 speculation: Speculation | None = None, step: str = "auto", compile: bool = False) -> None:
+                 speculation: Speculation | None = None, step: str = "auto", compile: bool = False,
+                 backend: TargetBackend | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        self.lean = target_forward(model, step, compile)
-        self.attention = layer_attention(model.config)  # read once: every forward's masks follow it
-        self.model = model.eval()
+        if backend is not None and (step != "auto" or compile):
+            raise ValueError(f"step and compile choose our PyTorch forward; the {backend.name} backend runs its own")
+        self.backend: TargetBackend = backend or TorchBackend(model, max_rows=max_rows, step=step, compile=compile)
+        self.model = model
         self.proposer = proposer
-        self.device = model_device(model)
-        self.max_context = max_context or model_max_context(model)
+        self.device = self.backend.device
+        self.max_context = max_context or self.backend.max_context
         self.fallback = fallback
         self.max_rows = max_rows
         self.speculation: Speculation = speculation if speculation is not None else AlwaysSpeculate()
         self.drafted_last_step = False  # whether the last verify step checked any drafted token
         self.vocab_size = model.config.get_text_config().vocab_size
-        self._cache: BatchKVCache | None = None
+        if proposer.needs_target_hidden:
+            self.backend.read_layers(target_layers(proposer))
+        verified_on(proposer, self.backend)
         self._waiting: list[Generation] = []
         self._running: list[Generation] = []  # in row order
-        check_tree_attention(model)
+
+    @property
+    def lean(self) -> LeanForward | None:
+        """The lean forward our PyTorch backend runs (None: HF's own forward, or another backend)."""
+        return getattr(self.backend, "lean", None)
 
     @torch.inference_mode()
     def generate(
@@ -183,10 +195,10 @@ class Engine:
         """Committed KV entries over what the batch can hold, `max_rows` rows of the model's context (of the running
         rows' longest limit when the model states no context): 0 to 1, as vLLM's kv_cache_usage_perc. The buffers
         are allocated as rows grow, so this reads the share of the batch's reach in use, not of memory allocated."""
-        if self._cache is None or not self._running:
+        if not self._running:
             return 0.0
         per_row = self.max_context or max(s.limit for s in self._running)
-        return sum(self._cache.lengths) / (self.max_rows * per_row)
+        return self.backend.committed_tokens() / (self.max_rows * per_row)
 
     @torch.inference_mode()
     def step(self) -> list[Generation]:
@@ -211,40 +223,30 @@ class Engine:
             self._release(seq)
         return finished
 
-    def _cache_for(self, seq: Generation) -> BatchKVCache:
-        if self._cache is None:
-            self._cache = BatchKVCache(self.model.config, rows=self.max_rows, capacity=seq.limit + 16)
-        return self._cache
-
     def _prefill(self, seq: Generation) -> None:
         """Step 1 is the prefill itself: one forward over the whole prompt, whose last token is the first
         (root-only) tree, gives the first token. Proposers start from the prompt's other positions."""
-        cache = self._cache_for(seq)
-        seq.row = cache.add_row()
+        seq.row = self.backend.add_row(seq.limit)
         prompt = seq.tokens[: seq.n_prompt]
-        needs_hidden = bool(seq.proposer.needs_target_hidden)
-        out = prefill_forward(self.model, cache, seq.row, prompt, output_hidden_states=needs_hidden, lean=self.lean,
-                              attention=self.attention)
-        hidden = out.hidden_states if needs_hidden else None
-        seq.proposer.start(seq.context(), tuple(h[:, :-1] for h in hidden) if hidden and seq.n_prompt > 1 else None)
+        out = self.backend.prefill(seq.row, prompt, hidden=bool(seq.proposer.needs_target_hidden))
+        hidden = out.hidden_states
+        seq.proposer.start(seq.context(), _each(hidden, (slice(None), slice(None, -1))) if seq.n_prompt > 1 else None)
         self.speculation.start(seq.policy)
-        seq.hidden = tuple(h[:, -1:] for h in hidden) if hidden else None
-        # The prefill forward has no room for drafts: its tree is the root alone, shaped (depth 0) like any step's.
+        seq.hidden = _each(hidden, (slice(None), slice(-1, None)))
+        # The prefill forward has no room for drafts: its tree is the root alone, shaped (depth 0) like any step's;
+        # the root's entry is committed with the step's path, as any root's.
         seq.tree = seq.constraint.shape(DraftTree.root_only(int(prompt[-1])), max_depth=0)
-        cache.lengths[seq.row] = seq.n_prompt - 1  # the root's entry is committed with the step's path, as any root's
         self._advance(seq, out.logits[0, -1:], batch=1)
 
     def _verify_step(self, seqs: list[Generation]) -> None:
         """One target forward over every sequence's tree (rows are consecutive: the running ones, in row order)."""
-        cache = self._cache
         first = seqs[0].row
         assert [s.row for s in seqs] == list(range(first, first + len(seqs))), "running rows must be consecutive"
-        needs_hidden = any(s.proposer.needs_target_hidden for s in seqs)
-        out = batch_forward(self.model, cache, [s.tree for s in seqs], first, output_hidden_states=needs_hidden,
-                            lean=self.lean, attention=self.attention)
+        out = self.backend.verify(first, [s.tree for s in seqs],
+                                  hidden=any(s.proposer.needs_target_hidden for s in seqs))
         for b, seq in enumerate(seqs):
             n = seq.tree.size
-            seq.hidden = tuple(h[b : b + 1, :n] for h in out.hidden_states) if needs_hidden else None
+            seq.hidden = _each(out.hidden_states, (slice(b, b + 1), slice(None, n)))
             extra = seq.tree.extra  # its rows' logits go to the proposer, never to the verifier
             seq.extra_logits = None if extra is None else out.logits[b, n : n + extra.size]
             self._advance(seq, out.logits[b, :n], batch=len(seqs))
@@ -267,7 +269,7 @@ class Engine:
         counted."""
         tree = seq.tree
         result = verify(tree, seq.constraint.mask_logits(tree, logits), seq.sampling, seq.generator)
-        self._cache.commit(seq.row, result.path)
+        self.backend.commit(seq.row, result.path)
         self.speculation.observe(seq.policy, batch, tree, result)
         seq.stats.record_step(tree.num_drafted, result.num_accepted)
         return result
@@ -350,11 +352,11 @@ class Engine:
             finish(seq.proposer)
         self._waiting.clear()
         self._running.clear()
-        self._cache = None
+        self.backend.reset()
 
     def _release(self, seq: Generation) -> None:
         """Free a finished sequence's row; the last running row moves into it."""
-        moved = self._cache.remove_row(seq.row)
+        moved = self.backend.remove_row(seq.row)
         self._running.remove(seq)
         finished(seq.proposer, seq.tokens[: seq.n])
         finish(seq.proposer)
@@ -363,3 +365,8 @@ class Engine:
             mover.row = seq.row
             self._running.sort(key=lambda s: s.row)
         seq.row = -1
+
+
+def _each(hidden: TargetHidden | None, index: tuple[slice, ...]) -> TargetHidden | None:
+    """Every layer `hidden` holds indexed by `index` (a layer the backend did not read stays None)."""
+    return None if hidden is None else tuple(None if h is None else h[index] for h in hidden)

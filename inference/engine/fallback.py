@@ -17,6 +17,7 @@ from specheads.inference.engine.proposer import (
     finished,
     fork,
     propose_rows,
+    target_layers,
 )
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
@@ -49,6 +50,10 @@ class FallbackProposer:
     @property
     def needs_target_hidden(self) -> bool:
         return self.inner.needs_target_hidden
+
+    @property
+    def target_layers(self) -> tuple[int, ...] | None:
+        return target_layers(self.inner)
 
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         self._behind = False

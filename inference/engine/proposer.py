@@ -48,6 +48,22 @@ class Proposer(Protocol):
     def on_verified(self, result: VerifyResult, target_hidden: tuple[torch.Tensor, ...] | None) -> None: ...
 
 
+def target_layers(proposer: Proposer) -> tuple[int, ...] | None:
+    """The target's hidden_states indices `proposer` reads (-1: the last), from its optional `target_layers`: () when
+    it reads none; None when it reads some without naming them (every layer, which a backend that keeps only named
+    layers, llama.cpp's, refuses)."""
+    if not proposer.needs_target_hidden:
+        return ()
+    return getattr(proposer, "target_layers", None)
+
+
+def verified_on(proposer: Proposer, backend) -> None:
+    """Tell `proposer` which backend (`target_backend.py`) verifies its trees, through its optional
+    `verified_on(backend)`: a proposer that weighs trees by their verify cost measures that backend's."""
+    if hasattr(proposer, "verified_on"):
+        proposer.verified_on(backend)
+
+
 def fork(proposer: Proposer) -> Proposer:
     """A proposer for another sequence: the same drafter (weights shared) with its own per-sequence state. A shallow
     copy, which `start` gives fresh state, unless the proposer defines `fork()` because it keeps per-sequence state

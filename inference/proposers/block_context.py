@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from specheads.features import feature_layers
 from specheads.formats.load import load_heads
 from specheads.heads.block_drafter import KV, BlockDrafterHead
 from specheads.inference.engine.proposer import ProposalContext, Proposer
@@ -44,6 +45,10 @@ class BlockContextProposer:
         self._context: list[KV] = []  # views of their first C entries (C = committed tokens - 1)
         self._length = 0  # C
         self._pending: torch.Tensor | None = None  # feature rows [m, D] of the next context positions
+
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return feature_layers(self.head.config.aux_layers)
 
     def fork(self) -> BlockContextProposer:
         new = copy.copy(self)

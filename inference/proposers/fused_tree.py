@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from specheads.features import feature_layers
 from specheads.formats.load import load_heads
 from specheads.inference.engine.batch_cache import BatchKVCache
 from specheads.inference.engine.layer_attention import additive_mask
@@ -97,6 +98,7 @@ class FusedTreeProposer:
         own tokens outside it. `stop_below()` (e.g. `NodeBudget.stop_below`): stop expanding once no open node's
         draft probability reaches it, since no deeper node would be verified."""
         self.head = head.eval()
+        self.target_layers = feature_layers(head.config.aux_layers)
         self.config = config
         self.stop_below = stop_below
         first = next(head.parameters())  # an int8 head keeps its norms in its activations' dtype

@@ -52,6 +52,10 @@ class LookaheadProposer:
         self.hit_rates = HitRates(0, config.ngram - 1)
         self._proposed: list[list[int]] = []  # this step's n-grams (after the root), observed against the commit
 
+    def verified_on(self, backend) -> None:
+        if self.costs is not None:
+            self.costs.measure_on(backend)
+
     def start(self, ctx: ProposalContext, target_hidden: tuple[torch.Tensor, ...] | None) -> None:
         prompt = ctx.tokens.tolist()
         self.pool = NgramPool(self.config.ngram, self.config.candidates)

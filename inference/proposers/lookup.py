@@ -23,7 +23,16 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.engine.proposer import ProposalContext, Proposer, finish, finished, fork, propose_rows
+from specheads.inference.engine.proposer import (
+    ProposalContext,
+    Proposer,
+    finish,
+    finished,
+    fork,
+    propose_rows,
+    target_layers,
+    verified_on,
+)
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.options import (
@@ -48,10 +57,15 @@ class WithPromptLookup:
         self.inner = inner
         self.lookup = lookup if lookup is not None else NgramProposer(config)
         self.needs_target_hidden = inner.needs_target_hidden
+        self.target_layers = target_layers(inner)
 
     @property
     def config(self) -> NgramConfig | SuffixConfig:
         return self.lookup.config
+
+    def verified_on(self, backend) -> None:
+        verified_on(self.inner, backend)
+        verified_on(self.lookup, backend)
 
     def fork(self) -> WithPromptLookup:  # suffix decoding's fork shares its cache of answers
         return WithPromptLookup(fork(self.inner), lookup=fork(self.lookup))

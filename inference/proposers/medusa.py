@@ -38,6 +38,7 @@ class MedusaProposer:
     """Drafts a static tree of Medusa heads' top-k tokens; needs the target's hidden states."""
 
     needs_target_hidden = True
+    target_layers = (-1,)  # the last hidden state
 
     def __init__(self, heads: MedusaHeads, tree: list[list[int]]) -> None:
         """Pre-compute the tree once.

@@ -31,7 +31,16 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specheads.inference.engine.proposer import ProposalContext, Proposer, finish, finished, fork, propose_rows
+from specheads.inference.engine.proposer import (
+    ProposalContext,
+    Proposer,
+    finish,
+    finished,
+    fork,
+    propose_rows,
+    target_layers,
+    verified_on,
+)
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
 from specheads.inference.methods.options import NODE_BUDGETS, check_node_budget
@@ -84,6 +93,11 @@ class NodeBudget:
         self.calibration = Calibration() if calibrate else None
         self._tables: dict[int, torch.Tensor] = {}  # batch -> [M + 1] relative cost of an n-node verify
         self._weakest: deque[float] = deque(maxlen=memory)  # per recent step: raw estimate of the weakest kept node
+
+    def measure_on(self, backend) -> None:
+        """Weigh trees by `backend`'s verify cost (`VerifyCosts.measure_on`)."""
+        self.costs.measure_on(backend)
+        self._tables.clear()
 
     @property
     def cost(self) -> VerifyCost:
@@ -189,10 +203,15 @@ class WithNodeBudget:
         self.inner = inner
         self.budget = budget
         self.needs_target_hidden = inner.needs_target_hidden
+        self.target_layers = target_layers(inner)
         self._verified: DraftTree | None = None
         self._idle = 0  # steps in a row whose tree kept no drafted node
         self._wait = 1  # plain steps before the next probe, once idle
         self._skip = 0  # plain steps left before the drafter is asked again
+
+    def verified_on(self, backend) -> None:
+        self.budget.measure_on(backend)
+        verified_on(self.inner, backend)
 
     def fork(self) -> WithNodeBudget:  # the budget (this machine's costs, the drafter's calibration) is shared
         return WithNodeBudget(fork(self.inner), self.budget)

@@ -9,6 +9,10 @@ row, and the forward turns compute-bound sooner: the curve depends on the batch 
 dtype, layout, device, machine, batch size) and caches it under `specheads_home()/verify-cost/`, so
 later runs start at once. `VerifyCosts` gives the curve at any batch size, measuring powers of two
 on demand and interpolating between them.
+
+The curve is the forward's the engine runs: our PyTorch forward of the model by default, or another backend's
+(`target_backend.py`; llama.cpp's verifies a tree at other relative costs) once the engine says so
+(`VerifyCosts.measure_on`), measured the same way on a copy of that backend and cached under its own key.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from transformers import PreTrainedModel
 from specheads.cached import specheads_home
 from specheads.gemm_layout import layout_plans, linear_layout
 from specheads.inference.engine.lean_forward import resolve_step
+from specheads.inference.engine.target_backend import TargetBackend
 from specheads.inference.engine.tree import DraftTree
 from specheads.machine import hardware_name
 
@@ -122,6 +127,36 @@ def measure_verify_cost(model: PreTrainedModel, sizes: Sequence[int] = DEFAULT_S
     return VerifyCost(nodes=tuple(sizes), seconds=tuple(statistics.median(times[n]) for n in sizes))
 
 
+def measure_backend_verify_cost(backend: TargetBackend, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 3,
+                                context: int = 128, batch: int = 1) -> VerifyCost:
+    """`measure_verify_cost` on another backend: a fresh copy of `backend` with `batch` rows, the same star trees over
+    the same `context`, each verify followed by a commit of its root (one more committed token: the context grows by
+    one a forward, which no size favours, as the sizes are interleaved)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    sizes = sorted({1, *sizes})
+    copy = backend.measurement_copy(batch, context + (reps + 1) * len(sizes) + max(sizes) + 16)
+    gen = torch.Generator().manual_seed(0)
+    vocab = copy.vocab_size
+    for _ in range(batch):
+        row = copy.add_row(context + (reps + 1) * len(sizes) + max(sizes) + 1)
+        copy.prefill(row, torch.randint(0, vocab, (context,), generator=gen), hidden=False)
+        copy.commit(row, torch.tensor([0]))
+    trees = {n: DraftTree(tokens=torch.randint(0, vocab, (n,), generator=gen),
+                          parents=torch.tensor([-1] + [0] * (n - 1))) for n in sizes}
+    root = torch.tensor([0])
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(reps + 1):  # round 0 warms up allocators and kernels
+        for n in sizes:
+            start = time.perf_counter()
+            copy.verify(0, [trees[n]] * batch, hidden=False)
+            if rep:
+                times[n].append(time.perf_counter() - start)
+            for row in range(batch):
+                copy.commit(row, root)
+    return VerifyCost(nodes=tuple(sizes), seconds=tuple(statistics.median(times[n]) for n in sizes))
+
+
 def default_cache_dir() -> Path:
     return specheads_home() / "verify-cost"
 
@@ -135,9 +170,11 @@ CHECK_SIZES = (1, 4)
 DRIFT = 1.3
 
 
-def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, batch: int = 1, **measure) -> VerifyCost:
-    """The model's verify cost on this machine at `batch` rows: read from the cache (checked against a quick
-    measurement, and aged out after `MAX_AGE_S`), or measured (a few seconds) and cached."""
+def verify_cost(model: PreTrainedModel | TargetBackend, cache_dir: Path | None = None, batch: int = 1,
+                **measure) -> VerifyCost:
+    """The verify cost on this machine at `batch` rows of the model's (our PyTorch forward) or of a backend's forward:
+    read from the cache (checked against a quick measurement, and aged out after `MAX_AGE_S`), or measured (a few
+    seconds) and cached."""
     path = _cache_path(model, cache_dir, batch)
     cached, why = _cached(path), "once"
     if cached is not None:
@@ -151,7 +188,7 @@ def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, batch: in
             log.warning("the cached verify cost in %s %s; measuring it again", path, stale)
     log.info("measuring the target's verify cost by tree size at batch %d on this machine (%s; cached in %s)",
              batch, why, path.parent)
-    cost = measure_verify_cost(model, batch=batch, **measure)
+    cost = _measure(model, batch=batch, **measure)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({**asdict(cost), "measured_at": time.time()}), encoding="utf-8")
@@ -159,8 +196,15 @@ def verify_cost(model: PreTrainedModel, cache_dir: Path | None = None, batch: in
     return cost
 
 
-def _cache_path(model: PreTrainedModel, cache_dir: Path | None, batch: int) -> Path:
-    name = machine_key(model) + (f"-batch{batch}" if batch > 1 else "")
+def _measure(source: PreTrainedModel | TargetBackend, **measure) -> VerifyCost:
+    if isinstance(source, PreTrainedModel):
+        return measure_verify_cost(source, **measure)
+    return measure_backend_verify_cost(source, **measure)
+
+
+def _cache_path(model: PreTrainedModel | TargetBackend, cache_dir: Path | None, batch: int) -> Path:
+    key = machine_key(model) if isinstance(model, PreTrainedModel) else f"{model.name}-{model.cost_key()}"
+    name = key + (f"-batch{batch}" if batch > 1 else "")
     return (cache_dir or default_cache_dir()) / f"{name}.json"
 
 
@@ -185,11 +229,11 @@ def _cached(path: Path) -> tuple[VerifyCost, float | None] | None:
         return None
 
 
-def _stale(cost: VerifyCost, model: PreTrainedModel, batch: int) -> str | None:
+def _stale(cost: VerifyCost, model: PreTrainedModel | TargetBackend, batch: int) -> str | None:
     """Why the cached `cost` is not this machine's today, or None: a quick measurement of a one-token step and a
     4-node verify finds the cached step more than DRIFT times slower, or the cached 4-node verify more than DRIFT
     times dearer relative to it."""
-    now = measure_verify_cost(model, sizes=CHECK_SIZES, reps=2, batch=batch)
+    now = _measure(model, sizes=CHECK_SIZES, reps=2, batch=batch)
     n = CHECK_SIZES[-1]
     if cost.seconds[0] > DRIFT * now.seconds[0]:
         return (f"has a one-token step of {cost.seconds[0] * 1000:.1f} ms where one takes {now.seconds[0] * 1000:.1f} "
@@ -208,9 +252,18 @@ class VerifyCosts:
                  cache_dir: Path | None = None) -> None:
         if (model is None) == (fixed is None):
             raise ValueError("VerifyCosts needs a model to measure or one fixed curve")
-        self.model, self.cache_dir, self.fixed = model, cache_dir, fixed
+        self.model: PreTrainedModel | TargetBackend | None = model
+        self.cache_dir, self.fixed = cache_dir, fixed
         self._measured: dict[int, VerifyCost] = {}
         self._at: dict[int, VerifyCost] = {}
+
+    def measure_on(self, backend: TargetBackend) -> None:
+        """Trees are verified on `backend`: measure its forward from now on (our PyTorch backend is the model's own,
+        which a model-made curve already measures)."""
+        if self.fixed is None and backend.name != "torch":
+            self.model = backend
+            self._measured.clear()
+            self._at.clear()
 
     def _power(self, batch: int) -> VerifyCost:
         if self.fixed is not None:

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.proposer import AutoregressiveProposer, Proposer
+from specheads.inference.engine.target_backend import TargetBackend
 from specheads.inference.proposers.verify_cost import machine_key, prepare_verify_costs
 from specheads.inference.serve.adaptive import (
     SpeculationProfile,
@@ -41,9 +42,10 @@ def speculation_mode(speculation: str | None, calibration: Path | None) -> tuple
 
 def serving_engine(model: PreTrainedModel, proposer: Proposer, *, label: str, max_batch: int, mode: str,
                    profile: SpeculationProfile | None, calibration: Path | None = None, step: str = "auto",
-                   compile: bool = False) -> Engine:
+                   compile: bool = False, backend: TargetBackend | None = None) -> Engine:
     """The engine for `mode`: a profile made for another method or machine is refused, and one under which no batch
-    size pays for speculation serves with plain steps (without the drafter's per-step upkeep)."""
+    size pays for speculation serves with plain steps (without the drafter's per-step upkeep). `backend`: what runs
+    the target (default: our PyTorch forward, `step` and `compile`)."""
     if not isinstance(proposer, AutoregressiveProposer):
         prepare_verify_costs(model, max_batch)
     if profile is not None:
@@ -53,7 +55,7 @@ def serving_engine(model: PreTrainedModel, proposer: Proposer, *, label: str, ma
                         calibration, profile.tau)
             proposer = AutoregressiveProposer()
     return Engine(model, proposer, max_rows=max_batch, speculation=speculation_policy(mode, profile), step=step,
-                  compile=compile)
+                  compile=compile, backend=backend)
 
 
 HTTP_CLOSE_S = 5.0  # after the last answer, how long uvicorn may take to write the responses and close

@@ -1,4 +1,5 @@
-"""`llama-server` built from llama.cpp's source (`source.py`) with cmake, once per version and CPU.
+"""`llama-server` and llama.cpp's static libraries (which `tree_target.py` links) built from its source (`source.py`)
+with cmake, once per version and CPU.
 
 The binary is built for the CPU it runs on (`GGML_NATIVE`: AVX2, AVX-512, AMX where present), statically linked,
 without the network client or the web UI; so it is cached per CPU too (a hash of the CPU's feature flags in the
@@ -25,9 +26,13 @@ from specheads.llamacpp.source import VERSION, Progress, llamacpp_home, quiet, s
 from specheads.machine import cpu_flags
 
 SERVER = "llama-server"
+LIBRARIES = "lib"  # the static libllama and ggml archives (position independent), for `native.py`'s library
+# what the cached folder holds; a new layout builds afresh rather than finding an old folder without its parts
+LAYOUT = "server+static-libs-1"
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary to cache
+    "-DCMAKE_POSITION_INDEPENDENT_CODE=ON",  # the static libraries link into the engine's shared library too
     "-DGGML_NATIVE=ON",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -78,7 +83,7 @@ def extra_cmake_args() -> list[str]:
 def machine_key() -> str:
     """What the native build depends on: the architecture, the CPU's feature flags, the extra cmake options."""
     flags = " ".join(cpu_flags()) or platform.processor()
-    text = "\n".join([platform.machine(), flags, *extra_cmake_args()])
+    text = "\n".join([platform.machine(), flags, *extra_cmake_args(), LAYOUT])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -124,9 +129,23 @@ def _build(version: str, dest: Path, report: Progress, jobs: int | None) -> None
     built = next((p for p in (build / "bin" / SERVER, build / "bin" / "Release" / SERVER) if p.is_file()), None)
     if built is None:
         raise RuntimeError(f"the build finished but left no {SERVER} in {build / 'bin'}")
+    libraries = dest / LIBRARIES
+    libraries.mkdir()
+    for archive in static_archives(build):
+        shutil.copy2(archive, libraries / archive.name)
     shutil.copy2(built, dest / SERVER)
     shutil.rmtree(build, ignore_errors=True)  # hundreds of MB of objects: the binary is all that is kept
     report(f"built {SERVER} of llama.cpp {version}")
+
+
+def static_archives(build: Path) -> list[Path]:
+    """libllama and every ggml library of a finished build (the CPU backend's, and any other backend's the extra
+    cmake options enabled), in link order: libllama first, ggml's base library last."""
+    llama = build / "src" / "libllama.a"
+    ggml = sorted((build / "ggml").rglob("libggml*.a"), key=lambda p: (p.name == "libggml-base.a", p.name))
+    if not llama.is_file() or not ggml:
+        raise RuntimeError(f"the build finished but left no libllama.a or libggml*.a under {build}")
+    return [llama, *ggml]
 
 
 def _run(cmd: list[str], report: Progress, quiet: bool = False) -> None:

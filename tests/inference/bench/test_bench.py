@@ -153,6 +153,7 @@ def test_hf_static_compiles_once_and_decodes_as_plain_generate(tiny_model_dir, q
     """Static cache + torch.compile on CPU: the warm-up compiles the decode step once, the six prompts (three
     questions, two turns, of several lengths) reuse that graph, and every answer equals plain `generate`'s."""
     caplog.set_level(logging.INFO, logger=bench.__name__)
+    torch._dynamo.reset()  # a test before this one in the same process may have compiled the same step
     graphs = counters["stats"]["unique_graphs"]
     out_dir = tmp_path / "bench"
     code, out, err = run_cli(["--target", str(tiny_model_dir), "--methods", "ar,hf,hf-static", "--questions",

@@ -61,3 +61,19 @@ def test_each_drafting_method_names_its_plain_reference():
     assert plain_of("llamacpp+peagle:/gone/run@q4_1+draft_max=1") == "llamacpp@q4_1"
     assert plain_of("llamacpp+eagle3:/gone/run") == "llamacpp"
     assert plain_of("llamacpp@bf16") is None and plain_of("ar") is None and plain_of("peagle:/x") is None
+
+
+def test_engine_methods_on_llamacpps_kernels_parse_and_name_their_plain_reference(heads):
+    spec = parse_methods(f"ngram+backend=llamacpp+gguf=q4_1,peagle:{heads}+lookup=0+backend=llamacpp")
+    assert [(s.method, s.backend, s.gguf) for s in spec] == [("ngram", "llamacpp", "q4_1"),
+                                                               ("peagle", "llamacpp", None)]
+    assert spec[1].options.lookup == 0 and spec[1].arg == str(heads)
+    assert parse_methods("ngram")[0].backend == "torch"
+    assert plain_of("ngram+backend=llamacpp+gguf=q4_1") == "llamacpp@q4_1"
+    assert plain_of(f"peagle:{heads}+backend=llamacpp") == "llamacpp"
+    for bad, message in [("ngram+backend=vllm", "takes torch or llamacpp"),
+                         ("ngram+gguf=q4_1", "goes with \\+backend=llamacpp"),
+                         ("ngram+backend=llamacpp+gguf=q5", "takes f32, bf16, q8_0, q4_1"),
+                         ("ngram+backend=llamacpp+compile=1", "compiles our PyTorch forward")]:
+        with pytest.raises(ValueError, match=message):
+            parse_methods(bad)

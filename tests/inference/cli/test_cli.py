@@ -279,3 +279,26 @@ def test_inference_commands_make_openmp_threads_sleep_unless_the_user_chose(monk
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_commands_that_run_llamacpp_here_keep_openmps_own_wait(monkeypatch):
+    # llama.cpp's kernels meet at an OpenMP barrier after every operation: sleeping threads would slow every step
+    import os
+
+    for argv in (["generate", "--backend", "llamacpp", "--help"], ["bench", "--methods", "ngram+backend=llamacpp",
+                                                                     "--help"]):
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "OMP_WAIT_POLICY" not in os.environ, argv
+
+
+@pytest.mark.parametrize("command,args,message", [
+    ("generate", ["--gguf", "q4_1"], "--gguf names the target's GGUF for --backend llamacpp"),
+    ("generate", ["--backend", "llamacpp", "--step", "hf"], "--step and --compile choose our PyTorch forward"),
+    ("generate", ["--backend", "llamacpp", "--gguf", "q5"], "--gguf 'q5' is neither a precision"),
+])
+def test_bad_backend_arguments_give_one_clear_line(tiny_model_dir, capsys, command, args, message):
+    code, _, err = run_cli([command, "--target", str(tiny_model_dir), "--prompt", "w5", "--max-new-tokens", "4",
+                            *args], capsys)
+    assert code == 2 and message in err.strip().splitlines()[-1], err

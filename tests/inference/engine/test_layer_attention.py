@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig
 
 import specheads.inference.engine.engine as engine_mod
+import specheads.inference.engine.target_backend as target_backend_mod
 from specheads.inference.engine.batch_cache import batch_tree_mask, causal_mask
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.layer_attention import FULL, FULL_ONLY, SLIDING, LayerAttention, layer_attention
@@ -112,7 +113,7 @@ def test_without_the_window_in_the_mask_rows_part_from_the_models_own(windowed, 
     # The negative control: the same batch with every layer's mask full parts from the model's own tokens, so the
     # test above would see a window the engine failed to apply.
     arch, model, _ = windowed
-    monkeypatch.setattr(engine_mod, "layer_attention", lambda config: FULL_ONLY)
+    monkeypatch.setattr(target_backend_mod, "layer_attention", lambda config: FULL_ONLY)
     assert decode_rows(model) != [own_greedy(model, prompt, new) for prompt, new in ROWS], arch
 
 

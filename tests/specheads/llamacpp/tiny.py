@@ -20,17 +20,22 @@ DRAFT_VOCAB = tuple(range(0, 6000))  # the draft LM head's rows: the tokenizer's
 
 def smol_tiny_target(folder: Path, seed: int = 0) -> LlamaForCausalLM:
     """Saved into `folder` with the default target's tokenizer files (49152 tokens)."""
-    source = Path(resolve_target("default"))
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
                          eos_token_id=2, pad_token_id=2, tie_word_embeddings=False, initializer_range=0.2)
     model = LlamaForCausalLM(config).eval().requires_grad_(False)
     model.save_pretrained(folder)
+    copy_tokenizer(folder)
+    return model
+
+
+def copy_tokenizer(folder: Path) -> None:
+    """The default target's tokenizer files into `folder` (a saved model of its 49152-token vocabulary)."""
+    source = Path(resolve_target("default"))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (source / name).is_file():
             shutil.copy2(source / name, folder / name)
-    return model
 
 
 def eagle3_heads(target: torch.nn.Module, **config):
