@@ -72,6 +72,9 @@ def markdown_table(summaries: list[MethodSummary], *, with_category: bool = Fals
     # speedups are medians of per-generation ratios (the legend under the tables says so too), not total over total
     head = ["method", "tok/s", "speedup vs ar (median)", "speedup vs hf (median)", "τ", "acceptance rate",
             "accept ≥1/≥2/≥3", "draft ms/step", "TTFT s", "greedy == ar"]
+    beside_llamacpp = any(s.speedup_vs_llamacpp is not None for s in summaries)  # a column only where it ran
+    if beside_llamacpp:
+        head.insert(4, "speedup vs llamacpp (median)")
     if with_category:
         head = ["category", *head]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -80,6 +83,8 @@ def markdown_table(summaries: list[MethodSummary], *, with_category: bool = Fals
         cells = [s.method, f"{s.tokens_per_s:.2f}", _fmt(s.speedup_vs_ar), _fmt(s.speedup_vs_hf), _fmt(s.tau),
                  _fmt(s.acceptance_rate), curve, _fmt(s.draft_ms_per_step, ".1f"), _fmt(s.ttft_s, ".3f"),
                  s.exact_matches or "-"]
+        if beside_llamacpp:
+            cells.insert(4, _fmt(s.speedup_vs_llamacpp))
         if with_category:
             cells = [s.category, *cells]
         lines.append("| " + " | ".join(cells) + " |")
@@ -283,8 +288,8 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
                      config=json.loads(json.dumps(report.config, default=str)),
                      dir=os.environ.get("WANDB_DIR") or (str(run_dir) if run_dir is not None else None))
     try:
-        cols = ["category", "method", "generations", "tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "tau",
-                "acceptance_rate", "draft_ms_per_step", "ttft_s", "exact_matches"]
+        cols = ["category", "method", "generations", "tokens_per_s", "speedup_vs_ar", "speedup_vs_hf",
+                "speedup_vs_llamacpp", "tau", "acceptance_rate", "draft_ms_per_step", "ttft_s", "exact_matches"]
         summary = wandb.Table(columns=cols, data=[[getattr(s, c) for c in cols]
                                                   for s in [*report.overall, *report.by_category]])
         rows = [record_row(r) for r in records]
@@ -295,7 +300,7 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
                                      r["stats"]["ttft_s"], r["matches_ar"], r["first_mismatch"], r["margin_fp32"]]
                                     for r in rows])
         log: dict = {"bench/summary": summary, "bench/results": results}
-        for metric in ("speedup_vs_ar", "speedup_vs_hf", "tau", "tokens_per_s"):
+        for metric in ("speedup_vs_ar", "speedup_vs_hf", "speedup_vs_llamacpp", "tau", "tokens_per_s"):
             data = [[s.method, getattr(s, metric)] for s in report.overall if getattr(s, metric) is not None]
             if data:
                 log[f"bench/chart_{metric}"] = wandb.plot.bar(wandb.Table(columns=["method", metric], data=data),
@@ -314,7 +319,8 @@ def log_wandb(report: BenchReport, records: list[Record], plots: list[Path], *, 
             log[f"bench/{table}"] = wandb.Table(columns=columns, data=data)
         run.log(log)
         for s in report.overall:
-            for metric in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "tau", "acceptance_rate",
+            for metric in ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf", "speedup_vs_llamacpp", "tau",
+                           "acceptance_rate",
                            "draft_ms_per_step", "ttft_s"):
                 if getattr(s, metric) is not None:
                     run.summary[f"{metric}/{_key(s.method)}"] = getattr(s, metric)

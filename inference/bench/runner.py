@@ -23,6 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 from specheads.draft_models import parallel_spec
 from specheads.gemm_layout import plain_linears
 from specheads.inference.bench.diagnosis import RejectionLog
+from specheads.inference.bench.llamacpp_spec import plain_of
 from specheads.inference.bench.method_spec import LLAMACPP, PLD_TOKENS, MethodSpec
 from specheads.inference.engine.constraint import GrammarConstraint
 from specheads.inference.engine.engine import Engine
@@ -373,6 +374,9 @@ class MethodSummary:
     ttft_s: float | None  # median; None where not measured
     draft_ms_per_step: float | None = None  # time in the proposer per target forward; None for HF baselines
     exact_matches: str = ""  # "k/n" outputs equal to ar's, greedy runs only
+    # against plain llama.cpp where it ran: at the method's own precision for one drafting on llama.cpp (`plain_of`),
+    # else at the run's
+    speedup_vs_llamacpp: float | None = None
 
 
 def _summary(method: str, category: str, records: list[Record], methods: list[str]) -> MethodSummary:
@@ -409,6 +413,7 @@ def _summary(method: str, category: str, records: list[Record], methods: list[st
         tau=tau, acceptance_rate=acceptance, accept_per_position=per_position,
         ttft_s=statistics.median(timed) if timed else None, draft_ms_per_step=draft_ms,
         exact_matches=f"{sum(r.matches_ar for r in checked)}/{len(checked)}" if checked else "",
+        speedup_vs_llamacpp=ratio(plain_of(method) or LLAMACPP),
     )
 
 

@@ -29,6 +29,13 @@ from specheads.inference.engine.tree import DraftTree
 from specheads.llamacpp import tree_target
 
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type of each KV cache type (ggml.h)
+# The architectures whose llama.cpp graph keeps a layer's input for llama_get_embeddings_layer_inp (the model files of
+# src/models/ that set t_layer_inp, in the pinned release; tests check the list against its source). Asking another
+# for a layer's input would stop llama.cpp with an assertion, so it is refused first.
+LAYER_INPUT_ARCHITECTURES = frozenset({
+    "bailingmoe3", "deepseek4", "gemma4", "hunyuan-vl", "lfm2", "llama", "mimo2", "minimax-01", "minimax-m2",
+    "muse-glimmer", "nanbeige", "nemotron-h", "openai-moe", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next",
+    "qwen4exp"})
 # The KV cache in the weights' precision, as our PyTorch forward keeps it (F32 and BF16 files); quantized weights keep
 # llama.cpp's default, f16. The bench's llama.cpp rows use the same.
 CACHE_TYPES = {"f32": "f32", "bf16": "bf16"}
@@ -47,18 +54,20 @@ class LlamaCppBackend:
     of `context` cells (default 4096 a row: every row's committed tokens plus the step's inputs).
 
     `kv_cache`: the KV cache's type (f32 by default; llama.cpp's own default, f16, rounds every step's keys and
-    values). `flash_attention`: llama.cpp's flash-attention kernel, off by default: on the CPU it rounds a tree's
-    batch and a one-token step about 100 times further apart than the plain kernels do (1e-3 against 1e-5 on a tiny
-    F32 target's logits). A batch and a one-token step still sum their matrix products in another order, so in F32
-    speculative greedy output equals llama.cpp's plain greedy output except where the target's two best logits tie
-    within that rounding. `threads`: llama.cpp's threads (default: one per core, as `llama-server` runs). `batch`:
-    the most inputs one llama.cpp graph runs (longer prompts run in chunks; a step's trees must fit)."""
+    values). `flash_attention`: llama.cpp's flash-attention kernel; by default off with an f32 cache and llama.cpp's
+    own choice (on, on a CPU) otherwise, as the bench runs `llama-server`: on the CPU it rounds K and V through f16,
+    and a tree's batch and a one-token step about 100 times further apart than the plain kernels do (1e-3 against
+    1e-5 on a tiny F32 target's logits). A batch and a one-token step still sum their matrix products in another
+    order, so in F32 speculative greedy output equals llama.cpp's plain greedy output except where the target's two
+    best logits tie within that rounding. `threads`: llama.cpp's threads (default: one per core, as `llama-server`
+    runs). `batch`: the most inputs one llama.cpp graph runs (longer prompts run in chunks; a step's trees must
+    fit)."""
 
     name = "llamacpp"
     device = torch.device("cpu")
 
     def __init__(self, gguf: str | Path, *, max_rows: int = 1, context: int | None = None, kv_cache: str = "f32",
-                 flash_attention: bool = False, threads: int | None = None, batch: int = 512,
+                 flash_attention: bool | None = None, threads: int | None = None, batch: int = 512,
                  library: Path | None = None) -> None:
         self.lib = tree_target.load(library)
         self.library = library
@@ -77,12 +86,14 @@ class LlamaCppBackend:
         err = ctypes.create_string_buffer(1024)
         self.batch = batch
         threads = threads or os.cpu_count() or 1
+        if flash_attention is None:  # as the bench runs llama-server: off with an f32 cache, llama.cpp's choice else
+            flash_attention = False if kv_cache == "f32" else None
         self.threads, self.flash_attention = threads, flash_attention
         # llama.cpp cuts its batch to the context, and reserves an output for every sequence id in each batch
         context = max(context or 4096 * max_rows, batch, max_seq)
         self._t = self.lib.tt_open(str(self.gguf).encode(), context, batch,
-                                   max_rows * self.ids_per_row, threads, KV_TYPES[kv_cache], int(flash_attention), err,
-                                   len(err))
+                                   max_rows * self.ids_per_row, threads, KV_TYPES[kv_cache],
+                                   -1 if flash_attention is None else int(flash_attention), err, len(err))
         if not self._t:
             raise RuntimeError(f"{err.value.decode()}: {tree_target.last_log(self.lib)}")
         self.context = self.lib.tt_n_ctx(self._t)
@@ -91,6 +102,7 @@ class LlamaCppBackend:
         self.num_layers = self.lib.tt_n_layer(self._t)
         self.max_context = min(self.context // max_rows, self.lib.tt_n_ctx_train(self._t))
         self.kv_cache = kv_cache
+        self.architecture = gguf_architecture(self.gguf)
         self.lengths: list[int] = []  # committed entries of each occupied row
         self._steps: list[_Step | None] = []  # per row: what its last forward left to commit
         self._layers: tuple[int, ...] = ()  # HF hidden_states indices read (`read_layers`)
@@ -128,6 +140,10 @@ class LlamaCppBackend:
         if any(not 0 <= i <= self.num_layers for i in wanted):
             raise ValueError(f"hidden_states indices must be in [0, {self.num_layers}] or -1 for this "
                              f"{self.num_layers}-layer target, got {list(layers)}")
+        if wanted[:1] != [self.num_layers] and wanted and self.architecture not in LAYER_INPUT_ARCHITECTURES:
+            raise ValueError(f"llama.cpp's {self.architecture} graph keeps no layer inputs, which these heads read "
+                             f"(hidden_states {list(layers)}); run them on the torch backend, or use a drafter that "
+                             "reads none (ngram, suffix, lookahead, a draft model)")
         for i in range(self.num_layers):
             self.lib.tt_keep_layer_input(self._t, i, int(i in wanted))
         self.lib.tt_keep_final_hidden(self._t, int(self.num_layers in wanted))
@@ -318,12 +334,56 @@ class LlamaCppBackend:
 FILE_TYPES = {0: "f32", 1: "f16", 32: "bf16", 7: "q8_0", 3: "q4_1", 2: "q4_0"}
 
 
+# GGUF's value types (gguf.h's gguf_type) -> struct formats of the fixed-size ones; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_header(path: Path, keys: tuple[str, ...]) -> dict[str, object]:
+    """The values of `keys` among a GGUF file's metadata (scalars and strings), read from its header alone and stopping
+    once all are found (the gguf package's reader maps every tensor first: seconds for a large file)."""
+    import struct
+
+    found: dict[str, object] = {}
+    with open(path, "rb") as f:
+        def read(fmt: str):
+            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
+
+        def string() -> str:
+            return f.read(read("Q")).decode("utf-8", errors="replace")
+
+        def value(kind: int):
+            if kind in _GGUF_SCALARS:
+                return read(_GGUF_SCALARS[kind])
+            if kind == 8:
+                return string()
+            if kind == 9:
+                item, count = read("I"), read("Q")
+                for _ in range(count):
+                    value(item)
+                return None
+            raise ValueError(f"{path} has a metadata value of unknown type {kind}; is it a GGUF file?")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        read("I")  # version
+        read("Q")  # tensors
+        for _ in range(read("Q")):
+            key = string()
+            found[key] = value(read("I"))
+            if all(k in found for k in keys):
+                break
+    return {k: found.get(k) for k in keys}
+
+
+def gguf_architecture(path: Path) -> str:
+    """The GGUF's general.architecture (llama.cpp's name for its graph: "llama", "qwen3", ...)."""
+    return str(gguf_header(path, ("general.architecture",))["general.architecture"] or "")
+
+
 def gguf_precision(path: Path) -> str | None:
     """The precision a GGUF file states (its general.file_type), or None when it states none this knows."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).fields.get("general.file_type")
-    return None if field is None else FILE_TYPES.get(int(field.parts[field.data[0]][0]))
+    file_type = gguf_header(path, ("general.file_type",))["general.file_type"]
+    return None if file_type is None else FILE_TYPES.get(int(file_type))
 
 
 def llamacpp_backend(target: str, gguf: str, *, max_rows: int = 1, **settings) -> LlamaCppBackend:

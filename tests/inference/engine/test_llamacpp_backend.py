@@ -234,3 +234,43 @@ def test_the_node_budget_weighs_trees_by_llamacpps_own_verify_cost(tiny, monkeyp
     Engine(tiny["target"], proposer, backend=b).generate(PROMPTS[1], max_new_tokens=8)
     assert proposer.budget.costs.at(1) == cost and measured and measured[0] is b
     assert any(p.name.startswith(f"llamacpp-{b.cost_key()}") for p in verify_cost_mod.default_cache_dir().iterdir())
+
+
+def test_the_gguf_header_is_read_without_the_tensors(tiny):
+    assert backend_mod.gguf_architecture(tiny["gguf"]) == "llama"
+    assert backend_mod.gguf_precision(tiny["gguf"]) == "f32"
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        backend_mod.gguf_header(tiny["root"] / "target" / "config.json", ("general.architecture",))
+
+
+def test_layer_inputs_are_asked_only_of_graphs_that_keep_them(tiny):
+    # the list is the pinned release's: every model graph of its source that sets a layer's input tensor
+    source = tree_target.source_tree() / "src" / "models"
+    keeping = {p.stem for p in source.glob("*.cpp") if "t_layer_inp" in p.read_text()}
+    assert keeping == backend_mod.LAYER_INPUT_ARCHITECTURES
+    b = backend(tiny)
+    b.architecture = "gpt2"  # a graph that keeps none: llama.cpp would stop at an assertion
+    b.read_layers((-1,))  # the final norm's output every graph gives
+    with pytest.raises(ValueError, match="llama.cpp's gpt2 graph keeps no layer inputs"):
+        b.read_layers((2, -1))
+
+
+def test_generate_on_llamacpp_from_the_command_line(tiny, tmp_path, capsys):
+    # `specheads generate --backend llamacpp --gguf FILE`: the same answer as the backend decoding plainly
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specheads.inference.cli import main
+    from specheads.questions import load_questions
+    from specheads.target import render_chat
+
+    args = ["generate", "--target", str(tiny["root"] / "target"), "--backend", "llamacpp", "--gguf",
+            str(tiny["gguf"]), "--method", "ngram", "--questions", "sharegpt-heldout", "--limit", "1",
+            "--max-new-tokens", "12", "--output", str(tmp_path / "answers.jsonl")]
+    assert main(args) == 0, capsys.readouterr().err
+    row = json.loads((tmp_path / "answers.jsonl").read_text().splitlines()[0])
+    tokenizer = AutoTokenizer.from_pretrained(tiny["root"] / "target")
+    prompt = render_chat(tokenizer, [load_questions("sharegpt-heldout", 1)[0].turns[0]])
+    engine = Engine(tiny["target"], AutoregressiveProposer(), backend=backend(tiny))
+    assert row["output_ids"] == engine.generate(prompt, max_new_tokens=12).output_ids
