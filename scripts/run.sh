@@ -21,12 +21,14 @@
 #      margin (the bf16 rule, README "Exactness"); elsewhere in the dtype `--dtype auto` picks (fp32 on CPU: exact).
 #      In the same run,
 #      llama.cpp (built by set-up, cached) decodes on the same weights at the same precision, plain and with the
-#      P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file (LLAMACPP=0: not). The bench
+#      P-EAGLE heads exported to GGUF, and on the default target's shipped Q4_1 file, and our engine runs the heads,
+#      n-gram and suffix decoding on llama.cpp's kernels (`+backend=llamacpp`; LLAMACPP=0: none of these). The bench
 #      begins no question after BENCH_MINUTES (at most 8, within JOB_MINUTES below; categories take turns, every
 #      method answers the same questions, and the summary says how many); on a CPU computing in fp32 it also leaves
 #      out llama.cpp's F32 drafting, its slowest row.
 # The table is printed and written to runs/main-<date>/bench/summary.md, the wall time of each phase to
-# runs/main-<date>/phases.txt.
+# runs/main-<date>/phases.txt, and the job ends naming the fastest method whose every output was `ar`'s: the one to
+# ship on this machine.
 #
 #   scripts/run.sh                       # defaults
 #   QUESTIONS=mt_bench.jsonl PER_CATEGORY=3 MAX_NEW=128 scripts/run.sh   # MT-bench: FastChat's question.jsonl
@@ -109,8 +111,11 @@ if [[ "$machine" == fp32 ]]; then  # the slowest row left out (above)
 fi
 if [[ "${LLAMACPP:-1}" == 1 ]]; then
     # llama.cpp on the same weights at the run's precision, plain and drafting with the same heads (one token: what
-    # it can draft with P-EAGLE heads, docs/llamacpp.md), and on the default target's shipped Q4_1 file
-    methods="$methods,$llamacpp"
+    # it can draft with P-EAGLE heads, docs/llamacpp.md), and on the default target's shipped Q4_1 file; and our
+    # engine on llama.cpp's kernels (--backend llamacpp) with the heads and the two training-free drafters: on a
+    # 2-core AVX2 CPU these were the fastest exact methods, suffix decoding 1.12x and n-gram 1.05x llama.cpp plain on
+    # HumanEval, the heads 0.87x (docs/results.md, "the engine on llama.cpp's kernels")
+    methods="$methods,$llamacpp,ngram+backend=llamacpp,suffix+backend=llamacpp,peagle:$heads+backend=llamacpp"
 fi
 if [[ -n "${EXTRA_METHODS:-}" ]]; then
     methods="$methods,$EXTRA_METHODS"
@@ -135,4 +140,17 @@ printf '%s\t%s\n' "set-up" "$setup_s" "  of which llama.cpp source and build" "$
     "total" "$((setup_s + train_s + bench_s))" |
     awk -F '\t' 'BEGIN { print "phase\tminutes\tseconds" } { printf "%s\t%.1f\t%d\n", $1, $2 / 60, $2 }' |
     tee "$run/phases.txt"
+# the method this machine should ship: the fastest whose every greedy output was ar's (the run's weights; the Q4_1
+# rows decode other weights and are left out)
+.venv/bin/python - "$run/bench/summary.json" <<'PY'
+import json, sys
+
+rows = [s for s in json.load(open(sys.argv[1])) if s["category"] == "all" and "q4_1" not in s["method"]]
+exact = [s for s in rows if s["exact_matches"] and len(set(s["exact_matches"].split("/"))) == 1]
+if exact:
+    best = max(exact, key=lambda s: s["tokens_per_s"])
+    vs = "".join(f", {best['speedup_vs_' + b]:.2f}x {b}" for b in ("hf", "llamacpp") if best.get("speedup_vs_" + b))
+    print(f"==> fastest exact method here: {best['method']} ({best['tokens_per_s']:.1f} tok/s{vs}, median of "
+          "per-question ratios; every output equal to ar's)")
+PY
 echo "==> results in $run/bench (summary.md, summary.json, results.jsonl)"

@@ -40,7 +40,8 @@ class LlamaCppRunner:
         model = target_gguf(target, self.precision)
         self._scratch = tempfile.TemporaryDirectory(prefix="specheads-llamacpp-")
         draft = None if options.heads is None else self._draft_gguf(options, target)
-        self.server = LlamaServer(model, draft=draft, spec_type=None if draft is None else "draft-eagle3",
+        spec_type = "draft-eagle3" if draft is not None else options.kind  # llama.cpp's own drafting, or none
+        self.server = LlamaServer(model, draft=draft, spec_type=spec_type,
                                   draft_max=options.draft_max, threads=threads or torch.get_num_threads(),
                                   cache_type=CACHE_TYPES.get(self.precision))
         try:

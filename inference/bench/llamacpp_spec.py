@@ -6,6 +6,8 @@
     llamacpp+eagle3:DIR            with EAGLE-3 heads (a run, a heads folder, or a .gguf written by export --to gguf)
     llamacpp+peagle:DIR@q4_1       P-EAGLE heads as llama.cpp's EAGLE-3 draft, against the Q4_1 target
     llamacpp+eagle3:DIR+draft_max=5   llama.cpp's --spec-draft-n-max (default 3)
+    llamacpp+ngram-mod             llama.cpp's own training-free drafting (`TRAINING_FREE`: ngram-simple, ngram-mod,
+                                   ngram-map-k, ngram-map-k4v, ngram-cache), at any precision, with +draft_max=N
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 METHOD = "llamacpp"
 PRECISIONS = ("f32", "bf16", "q8_0", "q4_1")
 DEFAULT_DRAFT_MAX = 3  # llama.cpp's own default --spec-draft-n-max
+# llama.cpp's own drafters that need no model (its --spec-type values): what a llama.cpp user tries first
+TRAINING_FREE = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 _DRAFT_MAX = re.compile(r"\+draft_max=(\d+)$")
 _PRECISION = re.compile(r"@([a-z0-9_]+)$")
 # an engine method on llama.cpp's kernels (`+backend=llamacpp`, method_spec.py) and its target GGUF's precision
@@ -27,8 +31,8 @@ _GGUF = re.compile(r"\+gguf=([a-z0-9_]+)(?=\+|$)")
 
 @dataclass(frozen=True)
 class LlamaCppOptions:
-    kind: str | None = None  # the drafter's kind; None: plain decoding
-    heads: str | None = None  # its run, heads folder or .gguf file
+    kind: str | None = None  # the drafter's kind, or one of llama.cpp's own (`TRAINING_FREE`); None: plain decoding
+    heads: str | None = None  # its run, heads folder or .gguf file (None for llama.cpp's own)
     precision: str | None = None  # the target GGUF's; None: the run's dtype (f32 or bf16)
     draft_max: int = DEFAULT_DRAFT_MAX
 
@@ -55,9 +59,13 @@ def parse_llamacpp(name: str) -> LlamaCppOptions:
             raise ValueError(f"{name}: +draft_max= needs a drafter: {METHOD}+KIND:DIR+draft_max={draft_max}")
         return LlamaCppOptions(precision=precision)
     kind, _, heads = rest.removeprefix("+").partition(":")
+    if rest.startswith("+") and kind in TRAINING_FREE and not heads:
+        return LlamaCppOptions(kind=kind, precision=precision, draft_max=draft_max)
     if not rest.startswith("+") or not kind or not heads:
-        raise ValueError(f"{name}: write {METHOD}, {METHOD}@PRECISION or {METHOD}+KIND:DIR[@PRECISION][+draft_max=N] "
-                         "(KIND: a drafter kind whose heads export --to gguf)")
+        raise ValueError(f"{name}: write {METHOD}, {METHOD}@PRECISION, {METHOD}+KIND:DIR[@PRECISION][+draft_max=N] "
+                         "(KIND: a drafter kind whose heads export --to gguf) or "
+                         f"{METHOD}+MODE[@PRECISION][+draft_max=N] (MODE: one of llama.cpp's own "
+                         f"{', '.join(TRAINING_FREE)})")
     if not Path(heads).exists():
         raise ValueError(f"{name}: {heads} does not exist; pass a training run, a heads folder or a .gguf file")
     saved = _saved_kind(Path(heads))

@@ -28,8 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"baselines {', '.join(BASELINES)} (hf = transformers generate, hf-static the same with its "
                         "static cache and torch.compile, hf-assisted:PATH its assisted generation with a draft model, "
                         "hf-pld[:N] its prompt lookup); and llama.cpp on the same weights: llamacpp[@PRECISION] "
-                        "(f32, bf16, q8_0, q4_1; default: the run's dtype) and llamacpp+KIND:DIR[@PRECISION]"
-                        "[+draft_max=N] with heads exported to GGUF (docs/llamacpp.md). Default: ar,hf,ngram")
+                        "(f32, bf16, q8_0, q4_1; default: the run's dtype), llamacpp+KIND:DIR[@PRECISION]"
+                        "[+draft_max=N] with heads exported to GGUF, and llamacpp+MODE[@PRECISION][+draft_max=N] with "
+                        "llama.cpp's own drafting (ngram-simple, ngram-mod, ngram-map-k, ngram-map-k4v, ngram-cache); "
+                        "any engine method takes +backend=llamacpp[+gguf=PRECISION] to run on llama.cpp's kernels "
+                        "(docs/llamacpp.md). Default: ar,hf,ngram")
     shared.add_questions(p, limit_help="first N questions only (N >= 1; omit for all)",
                          per_category_help="first N questions of every category: a balanced subset (MT-bench lists "
                                            "its categories in blocks)")

@@ -60,8 +60,10 @@ class LlamaServer:
                  threads: int | None = None, ctx_size: int = 4096, cache_type: str | None = None,
                  binary: Path | None = None,
                  extra_args: tuple[str, ...] = (), on_progress: Progress | None = None) -> None:
-        if (draft is None) != (spec_type is None):
+        if draft is not None and spec_type is None:
             raise ValueError("a drafter needs both draft= (its GGUF) and spec_type= (e.g. draft-eagle3)")
+        if draft is None and spec_type is not None and spec_type.startswith("draft"):
+            raise ValueError(f"spec_type={spec_type} drafts with a model: pass its GGUF as draft=")
         for path in (model, draft):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{path} is not a file; pass a GGUF model file")
@@ -91,8 +93,10 @@ class LlamaServer:
         if self.cache_type == "f32":  # llama.cpp's CPU flash attention rounds K and V through f16: off, for fp32
             cmd += ["-fa", "off"]
         if self.draft is not None:
-            cmd += ["-md", str(self.draft), "--spec-type", str(self.spec_type),
-                    "--spec-draft-n-max", str(self.draft_max), "--spec-draft-n-min", "0"]
+            cmd += ["-md", str(self.draft)]
+        if self.spec_type is not None:  # a draft model's type, or one of llama.cpp's own n-gram drafters
+            cmd += ["--spec-type", str(self.spec_type), "--spec-draft-n-max", str(self.draft_max),
+                    "--spec-draft-n-min", "0"]
         return cmd + list(self.extra_args)
 
     def __enter__(self) -> LlamaServer:

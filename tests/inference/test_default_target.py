@@ -57,3 +57,26 @@ def test_every_method_reproduces_hf_greedy_on_the_default_target(default_target)
             assert res.output_ids == hf, (name, q.question_id)
             drafted += res.stats.drafted
     assert drafted > 0
+
+
+def test_every_method_on_llamacpps_kernels_reproduces_its_plain_greedy(default_target):
+    # the default target's F32 GGUF on llama.cpp (f32 cache): ar there is llama.cpp's plain decoding, and every
+    # proposer's greedy output is it, token for token, on real text
+    from specheads.inference.engine.llamacpp_backend import llamacpp_backend
+    from specheads.target import render_chat, stop_token_ids
+
+    model, tokenizer = default_target
+    stops = stop_token_ids(tokenizer, model)
+    proposers = {"ngram": NgramProposer(), "suffix": SuffixProposer(),
+                 "early-exit:8": DraftModelProposer(early_exit_model(model, 8), DraftConfig(depth=3, width=2))}
+    drafted = 0
+    for q in PROMPTS:
+        prompt = render_chat(tokenizer, [q.turns[0]])
+        plain = Engine(model, AutoregressiveProposer(), backend=llamacpp_backend("default", "f32")).generate(
+            prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops)
+        for name, proposer in proposers.items():
+            engine = Engine(model, proposer, backend=llamacpp_backend("default", "f32"))
+            res = engine.generate(prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops)
+            assert res.output_ids == plain.output_ids, (name, q.question_id)
+            drafted += res.stats.drafted
+    assert drafted > 0

@@ -42,7 +42,7 @@ def test_every_form_parses(heads, tmp_path):
 @pytest.mark.parametrize(("spec", "message"), [
     ("llamacpp@q5_k", "precision 'q5_k' is not one of f32, bf16, q8_0, q4_1"),
     ("llamacpp+draft_max=2", r"\+draft_max= needs a drafter: llamacpp\+KIND:DIR\+draft_max=2"),
-    ("llamacpp+peagle", r"write llamacpp, llamacpp@PRECISION or llamacpp\+KIND:DIR"),
+    ("llamacpp+peagle", r"write llamacpp, llamacpp@PRECISION, llamacpp\+KIND:DIR"),
     ("llamacpp+peagle:/no/such/run", "/no/such/run does not exist; pass a training run, a heads folder or a .gguf"),
 ])
 def test_mistakes_are_named(spec, message):
@@ -77,3 +77,12 @@ def test_engine_methods_on_llamacpps_kernels_parse_and_name_their_plain_referenc
                          ("ngram+backend=llamacpp+compile=1", "compiles our PyTorch forward")]:
         with pytest.raises(ValueError, match=message):
             parse_methods(bad)
+
+
+def test_llamacpps_own_training_free_drafting_parses():
+    assert parse_llamacpp("llamacpp+ngram-mod") == LlamaCppOptions(kind="ngram-mod")
+    assert parse_llamacpp("llamacpp+ngram-simple@q4_1+draft_max=8") == LlamaCppOptions(
+        kind="ngram-simple", precision="q4_1", draft_max=8)
+    assert plain_of("llamacpp+ngram-cache@q4_1") == "llamacpp@q4_1"
+    with pytest.raises(ValueError, match="MODE: one of llama.cpp's own ngram-simple, ngram-mod"):
+        parse_llamacpp("llamacpp+ngram-fancy")

@@ -56,6 +56,17 @@ def test_llamacpp_with_our_draft_decodes_as_llamacpp_without_it(setup):
             assert b.stop == a.stop
 
 
+def test_llamacpps_own_ngram_drafting_decodes_as_llamacpp_without_it(setup):
+    # a training-free drafter of llama.cpp's own (the bench's llamacpp+ngram-simple): no draft model, same output
+    with LlamaServer(setup["model"], binary=setup["binary"]) as plain, \
+            LlamaServer(setup["model"], binary=setup["binary"], spec_type="ngram-simple", draft_max=4) as drafted:
+        for prompt in setup["prompts"][:2]:
+            assert drafted.complete(prompt, max_new_tokens=NEW_TOKENS).tokens == \
+                plain.complete(prompt, max_new_tokens=NEW_TOKENS).tokens
+    with pytest.raises(ValueError, match="spec_type=draft-eagle3 drafts with a model: pass its GGUF as draft="):
+        LlamaServer(setup["model"], spec_type="draft-eagle3")
+
+
 def test_llamacpp_greedy_is_ours_on_the_same_weights_up_to_near_ties(setup):
     ar = Engine(setup["target"], AutoregressiveProposer())
     with LlamaServer(setup["model"], binary=setup["binary"], cache_type="f32") as server:
