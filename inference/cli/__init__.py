@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     # two-thread step on a 2-core CPU took 2.0-2.4x its idle time where sleeping threads took 1.2x
     # (scripts/lab/bench_threads.py, docs/results.md 2026-12-05). Training keeps OpenMP's own default, and so does a
     # command that runs llama.cpp in this process (its kernels meet at an OpenMP barrier after every operation: with
-    # sleeping threads a one-token step took 2.3x as long; docs/results.md 2026-12-07).
+    # sleeping threads a one-token step took about 2x as long; docs/results.md 2026-12-07).
     if not runs_llamacpp_here(argv):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Only -v/-h come before the subcommand, so the first item that names one is it.

@@ -104,7 +104,7 @@ class LlamaServer:
         cmd = self.command()
         self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         # llama.cpp's kernels meet at an OpenMP barrier after every operation: threads told to sleep there (the
-        # OMP_WAIT_POLICY=PASSIVE our CLI sets for torch) made a one-token step 2.3-2.7x as slow, so the server
+        # OMP_WAIT_POLICY=PASSIVE our CLI sets for torch) made a one-token step about 2x as slow, so the server
         # waits as llama.cpp does by default
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
