@@ -40,16 +40,14 @@ def run(args: argparse.Namespace) -> None:
     from specheads.target import render_chat
 
     options = shared.method_options(args)  # checked before anything loads
-    if args.backend != "torch":
-        raise ValueError("calibrate times our PyTorch forward only; --backend llamacpp is not calibrated yet (serve "
-                         "it with --speculation on or off)")
     questions = load_questions(args.questions, per_category=args.per_category)
     if args.output.is_dir():
         raise ValueError(f"--output {args.output} is a folder; name the JSON file to write")
     model, tokenizer = shared.load_model(args)
     proposer, label = shared.make_method(args, options, model, tokenizer)
+    backend_for = None if args.backend == "torch" else (lambda rows: shared.target_backend(args, max_rows=rows))
     if args.method != "ar":
-        prepare_verify_costs(model, max(args.batch_sizes))
+        prepare_verify_costs(model if backend_for is None else backend_for(1), max(args.batch_sizes))
     prompts = [render_chat(tokenizer, [q.turns[0]]) for q in questions]
     bar = tqdm(total=len(set(args.batch_sizes)), desc="calibrating", unit="batch size")
 
@@ -59,7 +57,7 @@ def run(args: argparse.Namespace) -> None:
 
     profile = calibrate(model, proposer, prompts, method=label, batch_sizes=args.batch_sizes, steps=args.steps,
                         rounds=args.rounds, progress=progress, step=args.step,
-                        compile=args.compile)
+                        compile=args.compile, backend_for=backend_for)
     bar.close()
     profile.save(args.output)
     _print_profile(profile, label, len(questions), args.output)

@@ -57,9 +57,6 @@ def run(args: argparse.Namespace) -> None:
     from specheads.target import stop_token_ids
 
     options = shared.method_options(args)  # checked before anything loads
-    if args.backend != "torch" and args.calibration:
-        raise ValueError("a calibration measures our PyTorch forward, not --backend llamacpp's; serve without "
-                         "--calibration (--speculation on or off) on llama.cpp")
     mode, profile = speculation_mode(args.speculation, args.calibration)
     limits = ServiceLimits(max_queue=args.max_queue, max_tokens=args.max_tokens, request_timeout_s=args.request_timeout,
                            shutdown_timeout_s=args.shutdown_timeout)

@@ -116,6 +116,14 @@ class LlamaCppBackend:
                                     self.flash_attention, self.threads, self.batch, library]))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def describe(self) -> str:
+        """The forward in words, for people (a calibration's machine)."""
+        from specheads.machine import hardware_name
+
+        return (f"llama.cpp on {self.gguf.name} ({self.architecture}, KV cache {self.kv_cache}, flash attention "
+                f"{'auto' if self.flash_attention is None else 'on' if self.flash_attention else 'off'}) on "
+                f"{hardware_name(self.device)} ({self.threads} threads)")
+
     def measurement_copy(self, rows: int, capacity: int) -> LlamaCppBackend:
         """A backend like this one with `rows` rows of `capacity` tokens, for timing its forwards."""
         return LlamaCppBackend(self.gguf, max_rows=rows, context=rows * capacity, kv_cache=self.kv_cache,

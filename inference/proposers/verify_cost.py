@@ -203,7 +203,7 @@ def _measure(source: PreTrainedModel | TargetBackend, **measure) -> VerifyCost:
 
 
 def _cache_path(model: PreTrainedModel | TargetBackend, cache_dir: Path | None, batch: int) -> Path:
-    key = machine_key(model) if isinstance(model, PreTrainedModel) else f"{model.name}-{model.cost_key()}"
+    key = machine_key(model) if isinstance(model, PreTrainedModel) else forward_key(None, model)
     name = key + (f"-batch{batch}" if batch > 1 else "")
     return (cache_dir or default_cache_dir()) / f"{name}.json"
 
@@ -283,7 +283,7 @@ class VerifyCosts:
         return self._at[batch]
 
 
-def prepare_verify_costs(model: PreTrainedModel, max_batch: int, cache_dir: Path | None = None) -> None:
+def prepare_verify_costs(model: PreTrainedModel | TargetBackend, max_batch: int, cache_dir: Path | None = None) -> None:
     """Measure (once per machine; cached) the curves a batch of up to `max_batch` rows reads, so that no step of a
     server or a calibration stops to measure one."""
     batch = 1
@@ -292,6 +292,16 @@ def prepare_verify_costs(model: PreTrainedModel, max_batch: int, cache_dir: Path
         if batch >= max_batch:
             return
         batch *= 2
+
+
+def forward_key(model: PreTrainedModel, backend: TargetBackend | None = None) -> str:
+    """`machine_key` of our PyTorch forward of `model`, or what another backend's step costs depend on."""
+    return machine_key(model) if backend is None or backend.name == "torch" else f"{backend.name}-{backend.cost_key()}"
+
+
+def forward_description(model: PreTrainedModel, backend: TargetBackend | None = None) -> str:
+    """`machine_description`, or another backend's own."""
+    return machine_description(model) if backend is None or backend.name == "torch" else backend.describe()
 
 
 def machine_key(model: PreTrainedModel) -> str:

@@ -23,9 +23,10 @@ from transformers import PreTrainedModel
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.proposer import Proposer
 from specheads.inference.engine.speculation import AlwaysSpeculate, NeverSpeculate, RowState
+from specheads.inference.engine.target_backend import TargetBackend
 from specheads.inference.engine.tree import DraftTree
 from specheads.inference.engine.verifier import VerifyResult
-from specheads.inference.proposers.verify_cost import device_sync, machine_description, machine_key
+from specheads.inference.proposers.verify_cost import device_sync, forward_description, forward_key
 from specheads.inference.serve.adaptive import BatchCost, SpeculationProfile
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -43,14 +44,16 @@ def calibrate(
     progress: Callable[[str], None] | None = None,
     step: str = "auto",
     compile: bool = False,
+    backend_for: Callable[[int], TargetBackend] | None = None,
 ) -> SpeculationProfile:
     """Time `steps` speculative and `steps` plain engine steps per run at each batch size. Batch b runs
     max(rounds, ceil(len(prompts) / b)) times, run r decoding prompts[(r * b + i) % len(prompts)] for its rows, so
     every batch size sees every prompt; the modes alternate which goes first. τ, the per-position acceptance and the
     draft depth come from the timed speculative steps (a row drafts in a batch what it drafts alone, so they pool
     over batch sizes, and they describe the same stretch of text the step times do). `step` and `compile` set the
-    engine's target forward (`Engine`'s arguments), as the server will run it. `progress` is told of each
-    batch size as it starts."""
+    engine's target forward (`Engine`'s arguments), as the server will run it; `backend_for(rows)`, when given, makes
+    a fresh backend of that many rows for each run instead (llama.cpp's), and the profile is that backend's.
+    `progress` is told of each batch size as it starts."""
     sizes = sorted(set(batch_sizes))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
@@ -68,12 +71,13 @@ def calibrate(
             rows = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
             for spec in ((False, True) if r % 2 == 0 else (True, False)):
                 seconds = _time_steps(model, proposer, rows, steps, log if spec else NeverSpeculate(), step,
-                                          compile)
+                                      compile, backend_for)
                 times[b, spec].append(statistics.fmean(seconds))
     n = len(log.tokens)
     deepest = max(log.accepted, default=0)
+    backend = backend_for(1) if backend_for is not None else None
     return SpeculationProfile(
-        method=method, machine_key=machine_key(model), machine=machine_description(model),
+        method=method, machine_key=forward_key(model, backend), machine=forward_description(model, backend),
         tau=statistics.fmean(log.tokens),
         accept_per_position=tuple(round(sum(a > i for a in log.accepted) / n, 4) for i in range(deepest)),
         mean_depth=statistics.fmean(log.depths),
@@ -99,9 +103,14 @@ class _AcceptanceLog(AlwaysSpeculate):
 
 
 def _time_steps(model: PreTrainedModel, proposer: Proposer, prompts: list[Sequence[int]], steps: int,
-                policy: AlwaysSpeculate, step: str, compile: bool) -> list[float]:
+                policy: AlwaysSpeculate, step: str, compile: bool,
+                backend_for: Callable[[int], TargetBackend] | None) -> list[float]:
     """The times of `steps` engine steps over `prompts` decoding together (no stop tokens, so no row ends early)."""
-    engine = Engine(model, proposer, max_rows=len(prompts), speculation=policy, step=step, compile=compile)
+    if backend_for is not None:
+        engine = Engine(model, proposer, max_rows=len(prompts), speculation=policy,
+                        backend=backend_for(len(prompts)))
+    else:
+        engine = Engine(model, proposer, max_rows=len(prompts), speculation=policy, step=step, compile=compile)
     seqs = [engine.add(p, max_new_tokens=16 * (steps + 2)) for p in prompts]
     engine.step()  # prefill every row
     engine.step()  # the first draft (a proposer's start-up work) stays out of the timing

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from specheads.inference.engine.engine import Engine
 from specheads.inference.engine.proposer import AutoregressiveProposer, Proposer
 from specheads.inference.engine.target_backend import TargetBackend
-from specheads.inference.proposers.verify_cost import machine_key, prepare_verify_costs
+from specheads.inference.proposers.verify_cost import forward_key, prepare_verify_costs
 from specheads.inference.serve.adaptive import (
     SpeculationProfile,
     check_profile,
@@ -47,9 +47,9 @@ def serving_engine(model: PreTrainedModel, proposer: Proposer, *, label: str, ma
     size pays for speculation serves with plain steps (without the drafter's per-step upkeep). `backend`: what runs
     the target (default: our PyTorch forward, `step` and `compile`)."""
     if not isinstance(proposer, AutoregressiveProposer):
-        prepare_verify_costs(model, max_batch)
+        prepare_verify_costs(model if backend is None else backend, max_batch)
     if profile is not None:
-        check_profile(profile, method=label, machine_key=machine_key(model), source=str(calibration))
+        check_profile(profile, method=label, machine_key=forward_key(model, backend), source=str(calibration))
         if profile.max_batch == 0:
             log.warning("%s: speculation paid at no calibrated batch size (tau %.2f); serving with plain steps",
                         calibration, profile.tau)

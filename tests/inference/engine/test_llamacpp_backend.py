@@ -274,3 +274,21 @@ def test_generate_on_llamacpp_from_the_command_line(tiny, tmp_path, capsys):
     prompt = render_chat(tokenizer, [load_questions("sharegpt-heldout", 1)[0].turns[0]])
     engine = Engine(tiny["target"], AutoregressiveProposer(), backend=backend(tiny))
     assert row["output_ids"] == engine.generate(prompt, max_new_tokens=12).output_ids
+
+
+def test_calibrate_and_serve_adaptively_on_llamacpp(tiny):
+    # the calibration times the llama.cpp backend's own steps, and only a server on that backend takes the profile
+    from specheads.inference.serve.calibrate import calibrate
+    from specheads.inference.serve.launch import serving_engine
+
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    profile = calibrate(tiny["target"], NgramProposer(), prompts, method="ngram", batch_sizes=(1, 2), steps=2,
+                        rounds=1, backend_for=lambda rows: backend(tiny, max_rows=rows))
+    assert profile.machine_key == f"llamacpp-{backend(tiny).cost_key()}" and "llama.cpp on target.gguf" in \
+        profile.machine
+    assert [c.batch for c in profile.costs] == [1, 2] and all(c.plain_step_s > 0 for c in profile.costs)
+    engine = serving_engine(tiny["target"], NgramProposer(), label="ngram", max_batch=2, mode="adaptive",
+                            profile=profile, backend=backend(tiny, max_rows=2))
+    assert engine.backend.name == "llamacpp"
+    with pytest.raises(ValueError, match="calibrated for another target"):
+        serving_engine(tiny["target"], NgramProposer(), label="ngram", max_batch=2, mode="adaptive", profile=profile)
