@@ -333,6 +333,8 @@ class Engine:
         trees = propose_rows([s.proposer for s, _ in drafting], [c for _, c in drafting])
         for (seq, ctx), tree in zip(drafting, trees):
             seq.tree = tree.truncated(ctx.max_depth)
+            if self.backend.max_leaves is not None:  # llama.cpp: a sequence id per leaf, a row has so many
+                seq.tree = seq.tree.within_leaves(self.backend.max_leaves)
         share = (time.perf_counter() - start) / len(drafting)
         for seq, _ in drafting:
             seq.stats.draft_s += share

@@ -77,6 +77,7 @@ class LlamaCppBackend:
             raise ValueError(f"llama.cpp holds at most {max_seq} sequence ids, so at most {max_seq // 2} rows of "
                              f"trees; got max_rows={max_rows}")
         self.ids_per_row = max_seq // max_rows
+        self.max_leaves = self.ids_per_row  # a leaf's path takes a sequence id (extra rows may take more)
         self.gguf = Path(gguf)
         if kv_cache not in KV_TYPES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_TYPES)}, got {kv_cache!r}")

@@ -46,6 +46,7 @@ class TargetBackend(Protocol):
 
     name: str
     device: torch.device  # where logits and hidden states land
+    max_leaves: int | None  # the most leaves a row's tree may have (the engine prunes to fit); None: any
     max_context: int | None  # the longest sequence a row can hold (None: no stated limit)
 
     def read_layers(self, layers: tuple[int, ...] | None) -> None:
@@ -86,6 +87,7 @@ class TorchBackend:
     compiles the lean forward's elementwise work. Trees are verified under a 4-D mask over a `BatchKVCache`."""
 
     name = "torch"
+    max_leaves = None
 
     def __init__(self, model: PreTrainedModel, *, max_rows: int = 1, step: str = "auto",
                  compile: bool = False) -> None:

@@ -197,6 +197,25 @@ class DraftTree:
             return self
         return self.subtree((self.depths <= max_depth).nonzero().squeeze(1))
 
+    def within_leaves(self, limit: int) -> DraftTree:
+        """The subtree of the first nodes (in draft order) that has at most `limit` leaves; the tree itself if it
+        has no more. A node joins if its parent did, and costs a leaf unless its parent had none of its children yet."""
+        parents = self.parents.cpu().tolist()
+        kept, has_child, leaves = [0], [False] * self.size, 1
+        joined = {0}
+        for node in range(1, self.size):
+            parent = parents[node]
+            if parent not in joined:
+                continue
+            if has_child[parent]:
+                if leaves == limit:
+                    continue
+                leaves += 1
+            has_child[parent] = True
+            kept.append(node)
+            joined.add(node)
+        return self if len(kept) == self.size else self.subtree(torch.tensor(kept, dtype=torch.long))
+
     def subtree(self, keep: torch.Tensor) -> DraftTree:
         """The nodes `keep` [K] (increasing indices, 0 first, ancestor-closed), renumbered in the same order."""
         remap = torch.full((self.size,), -1, dtype=torch.long, device=self.parents.device)

@@ -292,3 +292,17 @@ def test_calibrate_and_serve_adaptively_on_llamacpp(tiny):
     assert engine.backend.name == "llamacpp"
     with pytest.raises(ValueError, match="calibrated for another target"):
         serving_engine(tiny["target"], NgramProposer(), label="ngram", max_batch=2, mode="adaptive", profile=profile)
+
+
+def test_bushy_trees_are_pruned_to_a_rows_sequence_ids(tiny):
+    # 64 rows leave 4 ids a row: the engine keeps the first nodes with 4 leaves, and decodes as plain llama.cpp
+    bushy = DraftTree(tokens=torch.arange(10, 17), parents=torch.tensor([-1, 0, 0, 0, 0, 0, 1]))
+    # the fifth child of the root would be a fifth leaf; node 6 extends node 1's path, which costs none
+    assert bushy.within_leaves(4).parents.tolist() == [-1, 0, 0, 0, 0, 1]
+    assert bushy.within_leaves(9) is bushy
+    chain_then_fan = DraftTree(tokens=torch.arange(10, 16), parents=torch.tensor([-1, 0, 1, 1, 1, 1]))
+    assert chain_then_fan.within_leaves(2).parents.tolist() == [-1, 0, 1, 1]  # a child of a leaf costs none
+    b = backend(tiny, max_rows=64, context=64 * 128)
+    engine = Engine(tiny["target"], LookaheadProposer(), backend=b, max_rows=64)
+    plain = greedy(tiny, AutoregressiveProposer(), PROMPTS[1])
+    assert engine.generate(PROMPTS[1], max_new_tokens=NEW).output_ids == plain.output_ids
