@@ -8,6 +8,7 @@ and when to skip drafting. `TREES` names the presets (`--tree NAME`, `METHOD:DIR
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from specheads.inference.methods.options import HeadsOptions, option
@@ -36,20 +37,35 @@ TREES: dict[str, TreeConfig] = {
 }
 
 
+# A chain of N draft tokens, one guess per position: what chain engines (llama.cpp, vLLM's EAGLE-3) draft, so its
+# acceptance is what a drafter brings there. "chain" alone is a chain of 3 (llama.cpp's default --spec-draft-n-max).
+_CHAIN = re.compile(r"chain([1-9][0-9]?)?")
+CHAIN_LENGTH = 3
+
+
 def named_tree(name: str | None) -> TreeConfig:
-    """The named tree (None: the default); an unknown name lists the known ones."""
+    """The named tree (None: the default), or `chainN`, a chain of N; an unknown name lists the known ones."""
     if name is None:
         return TreeConfig()
+    if chain := _CHAIN.fullmatch(name):
+        length = int(chain[1] or CHAIN_LENGTH)
+        return TreeConfig(depth=length, topk=1, total_tokens=length + 1)
     if name not in TREES:
-        raise ValueError(f"unknown tree {name!r}; use one of: {', '.join(TREES)} "
-                         "(or set --depth/--topk/--total-tokens)")
+        raise ValueError(f"unknown tree {name!r}; use one of: {', '.join(TREES)}, or chainN (a chain of N draft "
+                         "tokens; chain: 3) (or set --depth/--topk/--total-tokens)")
     return TREES[name]
+
+
+def is_chain(name: str | None) -> bool:
+    return name is not None and _CHAIN.fullmatch(name) is not None
 
 
 @dataclass(frozen=True, kw_only=True)
 class TreeOptions(HeadsOptions):
     tree: str | None = option(f"named tree: {', '.join(TREES)} (default cpu: depth 5, top-4, 12 nodes; wide 6/8/32; "
-                              "eagle2 6/10/60); --depth/--topk/--total-tokens override its fields")
+                              "eagle2 6/10/60), or chainN: a chain of N draft tokens, one guess per position, as "
+                              "chain engines (llama.cpp, vLLM) draft (chain: 3); --depth/--topk/--total-tokens "
+                              "override its fields")
     depth: int | None = option("draft levels")
     topk: int | None = option("children per expanded node")
     total_tokens: int | None = option("tree size including the root")
@@ -64,6 +80,8 @@ def tree_config(options: TreeOptions, depth: int) -> TreeConfig:
     """The tree `options` name (its preset, with --topk/--total-tokens/--min-expected-accepted over its fields),
     `depth` levels deep."""
     base = named_tree(options.tree)
+    if is_chain(options.tree) and options.depth is None:  # the chain's own length (a block drafter's at most)
+        depth = min(depth, base.depth)
     return TreeConfig(depth=depth, topk=options.topk or base.topk,
                       total_tokens=options.total_tokens or base.total_tokens,
                       min_expected_accepted=base.min_expected_accepted if options.min_expected_accepted is None

@@ -9,6 +9,7 @@ import torch
 
 from specheads.inference import Engine
 from specheads.inference.methods.tree_options import TreeConfig
+from specheads.inference.proposers import AutoregressiveProposer
 from specheads.inference.proposers.block_tree import block_tree
 from tests.conftest import repetitive_prompt, tiny_model
 from tests.drafters import proposer_for, save_case
@@ -94,3 +95,28 @@ def test_heads_of_another_kind_are_refused_by_name(target, tmp_path):
         proposer_for("eagle3", target, tmp_path / "peagle", {})
     with pytest.raises(ValueError, match="holds 'peagle' heads, not dflash heads"):
         proposer_for("dflash", target, tmp_path / "peagle", {})
+
+
+@pytest.mark.parametrize("kind", ["peagle", "eagle3"])
+def test_a_named_chain_drafts_one_guess_per_position(kind, target, tmp_path):
+    # `@chainN` (and `chain`: 3) is what chain engines draft: every step's tree a chain of at most N tokens, and the
+    # output plain greedy's
+    save_case(kind, target, tmp_path)
+    prompt = repetitive_prompt()
+    plain = Engine(target, AutoregressiveProposer()).generate(prompt, max_new_tokens=24)
+    for tree, length in (("chain2", 2), ("chain", 3)):
+        proposer = proposer_for(kind, target, tmp_path, {"tree": tree, "lookup": 0, "node_budget": "fixed"})
+        seen = []
+        engine = Engine(target, proposer)
+        verify = engine._verify
+
+        def record(seq, logits, batch, verify=verify, seen=seen):
+            seen.append(seq.tree)
+            return verify(seq, logits, batch)
+
+        engine._verify = record
+        res = engine.generate(prompt, max_new_tokens=24)
+        assert res.output_ids == plain.output_ids, (kind, tree)
+        drafted = [t for t in seen if t.size > 1]
+        assert drafted and all(t.is_chain and t.size - 1 <= length for t in drafted), (kind, tree)
+        assert max(t.size - 1 for t in drafted) == length, (kind, tree)
