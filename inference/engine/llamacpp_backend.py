@@ -276,25 +276,20 @@ class LlamaCppBackend:
         if tree.is_plain_chain:  # plain steps and chains: the main sequence alone, as plain decoding runs
             return (main,), [main] * n, [[main]] * n
         visible = tree.input_visible  # [n, n] bool: visible[i, j]: input i sees input j
-        depths = tree.input_depths.cpu()
-        owners: list[int] = []  # inputs that own an id, in the order ids are handed out
-        query = [0] * n
-        for i in reversed(range(n)):  # deepest views first: a node shares the id of a leaf below it
-            front = visible[i]
-            for k_index, k in enumerate(owners):
-                if visible[k, i] and torch.equal(front, visible[k] & (depths <= depths[i])):
-                    query[i] = k_index
-                    break
-            else:
-                query[i] = len(owners)
-                owners.append(i)
+        if tree.extra is None:  # a tree: each leaf (seen by itself alone) owns an id; a node asks as a leaf below it
+            leaves = (visible.sum(0) == 1).nonzero().squeeze(1)
+            owners = leaves.tolist()
+            query = visible[leaves].T.int().argmax(1).tolist()  # the first leaf at or below each node
+        else:
+            owners, query = _owners(visible, tree.input_depths.cpu())
         if len(owners) > self.ids_per_row:
             raise ValueError(f"a tree of {len(owners)} leaves needs as many llama.cpp sequence ids, and a row has "
                              f"{self.ids_per_row} (of {self.lib.tt_max_seq()}, shared by {self.max_rows} rows); draft "
                              "smaller trees (a lower node budget) or fewer rows")
         ids = tuple(main + k for k in range(len(owners)))
-        carried = [[ids[query[j]]] + [ids[k_index] for k_index, k in enumerate(owners)
-                                      if bool(visible[k, j]) and k_index != query[j]] for j in range(n)]
+        seen_by = visible[torch.tensor(owners)].T.tolist()  # [n][owners]: which owners see each input
+        carried = [[ids[query[j]]] + [ids[k] for k, sees in enumerate(row) if sees and k != query[j]]
+                   for j, row in enumerate(seen_by)]
         return ids, [ids[q] for q in query], carried
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: list[list[int]],
@@ -337,6 +332,23 @@ class LlamaCppBackend:
         for layer, part in zip(self._layers, parts):
             full[layer] = part
         return tuple(full)
+
+
+def _owners(visible: torch.Tensor, depths: torch.Tensor) -> tuple[list[int], list[int]]:
+    """For any inputs whose views are chains of ancestors (a tree's nodes and extra rows, `visible` [n, n] bool, their
+    depths [n]): the inputs that own a sequence id, and each input's owner (by index into the first list). An input
+    shares an owner whose view, cut at the input's depth, is the input's own view; else it owns one."""
+    owners: list[int] = []
+    query = [0] * visible.shape[0]
+    for i in reversed(range(visible.shape[0])):  # deepest views first
+        for k_index, k in enumerate(owners):
+            if visible[k, i] and torch.equal(visible[i], visible[k] & (depths <= depths[i])):
+                query[i] = k_index
+                break
+        else:
+            query[i] = len(owners)
+            owners.append(i)
+    return owners, query
 
 
 # general.file_type of a GGUF (llama.h's llama_ftype) -> the precision names used here
