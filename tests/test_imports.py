@@ -50,7 +50,8 @@ def test_training_enters_inference_through_the_runners_drafter_calls_alone():
     # the core
     runner = "specheads.inference.bench.runner"
     assert imported_names(ROOT / "train", "specheads.inference") == {
-        (runner, "measure_drafter"), (runner, "rollout_drafter"), (runner, "Rollout")}
+        (runner, "measure_drafter"), (runner, "drafts_trees"), (runner, "MethodSummary"), (runner, "rollout_drafter"),
+        (runner, "Rollout")}
 
 
 def test_method_modules_never_import_their_package():

@@ -81,6 +81,9 @@ class TrainConfig:
     draft_vocab_size: int | None = 8192  # most frequent training tokens the draft LM head scores (None: all)
     measure_prompts: int = 4  # held-out prompts the final heads decode greedily for the measured τ (0: skip)
     measure_max_new_tokens: int = 64  # new tokens per measured prompt
+    # the same prompts decoded again drafting a chain of this many tokens, one guess per position, as chain engines
+    # (llama.cpp, vLLM's EAGLE) draft: chain τ and how often the first guess is right (0: skip; trees only)
+    measure_chain: int = 3
     shard_target: bool = False  # split the target's decoder layers over the processes (FSDP2; target_sharding.py)
     data: DataConfig = field(default_factory=DataConfig)
     heads: Any = None  # the recipe's own settings class (Objective.settings); None: its defaults
@@ -116,6 +119,8 @@ class TrainConfig:
             raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
         if self.measure_prompts < 0 or self.measure_max_new_tokens < 1:
             raise ValueError("measure_prompts must be >= 0 and measure_max_new_tokens >= 1")
+        if not 0 <= self.measure_chain <= 99:
+            raise ValueError(f"measure_chain must be a chain length in 1..99, or 0 to skip; got {self.measure_chain}")
         if self.shard_target:
             check_shard_settings(self.measure_prompts)
         for name in ("log_every", "eval_every", "save_every"):

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from specheads.formats.load import read_heads
 from specheads.gemm_layout import cpu_has_native_bf16
-from specheads.inference.bench.runner import measure_drafter
+from specheads.inference.bench.runner import MethodSummary, drafts_trees, measure_drafter
 from specheads.target import load_target, stop_token_ids
 from specheads.token_classes import token_classes
 from specheads.train.budget import TrainingClock, budget_schedule
@@ -511,11 +511,25 @@ def measured_tau(cfg: TrainConfig, objective: Objective, target, tokenizer, eval
     prompts = held_out_prompts(eval_ds, cfg.measure_prompts)
     if not prompts:
         return {}
-    summary = measure_drafter(target, objective.kind, str(heads_dir), prompts,
-                              max_new_tokens=cfg.measure_max_new_tokens,
-                              stop_token_ids=stop_token_ids(tokenizer, target), load_draft=load_draft)
-    return {"eval/measured_tau": summary.tau, "eval/measured_acceptance_rate": summary.acceptance_rate or 0.0,
-            "eval/measured_prompts": len(prompts)}
+
+    def measured(tree: str | None):
+        return measure_drafter(target, objective.kind, str(heads_dir), prompts,
+                               max_new_tokens=cfg.measure_max_new_tokens,
+                               stop_token_ids=stop_token_ids(tokenizer, target), load_draft=load_draft, tree=tree)
+
+    summary = measured(None)
+    row = {"eval/measured_tau": summary.tau, "eval/measured_acceptance_rate": summary.acceptance_rate or 0.0,
+           "eval/measured_prompts": len(prompts)}
+    if cfg.measure_chain and drafts_trees(objective.kind):
+        # a tree hides a weak first guess behind its siblings; a chain engine's speed is this guess
+        chain = measured(f"chain{cfg.measure_chain}")
+        row |= {"eval/measured_chain_tau": chain.tau, "eval/measured_chain_first_accept": _first(chain)}
+    return row
+
+
+def _first(summary: MethodSummary) -> float:
+    """The share of steps whose first draft token was accepted."""
+    return summary.accept_per_position[0] if summary.accept_per_position else 0.0
 
 
 def _last_eval(out: Path) -> dict:

@@ -466,12 +466,18 @@ def measure(
 
 def measure_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequence[Sequence[int]], *,
                     max_new_tokens: int, stop_token_ids: Sequence[int] = (),
-                    load_draft: DraftLoader | None = None) -> MethodSummary:
+                    load_draft: DraftLoader | None = None, tree: str | None = None) -> MethodSummary:
     """Measured τ of the drafter of `kind` saved at `path` on `prompts`, with nothing grafted on and its whole trees
-    verified (`Method.heads_alone`: the heads' own τ, the same on every machine). One of training's two entries into
-    inference (with `rollout_drafter`): a recipe calls these and nothing else of the engine."""
-    return measure(target, drafter_alone(target, kind, path, load_draft), prompts, max_new_tokens=max_new_tokens,
-                   stop_token_ids=stop_token_ids, name=kind)
+    verified (`Method.heads_alone`: the heads' own τ, the same on every machine), or drafting the named `tree`
+    ("chain3": as chain engines draft). One of training's two entries into inference (with `rollout_drafter`): a
+    recipe calls these (and `drafts_trees`) and nothing else of the engine."""
+    return measure(target, drafter_alone(target, kind, path, load_draft, tree=tree), prompts,
+                   max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, name=kind)
+
+
+def drafts_trees(kind: str) -> bool:
+    """Whether the drafter of `kind` decodes trees (so `measure_drafter` can name one, a chain among them)."""
+    return METHODS.get(kind).takes("tree")
 
 
 def rollout_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequence[Sequence[int]], *,
@@ -488,8 +494,8 @@ def rollout_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequ
 
 
 def drafter_alone(target: PreTrainedModel, kind: str, path: str, load_draft: DraftLoader | None,
-                  chain: bool = False) -> Proposer:
+                  chain: bool = False, tree: str | None = None) -> Proposer:
     """The proposer of the drafter of `kind` saved at `path` with nothing grafted on and its whole trees verified
-    (`Method.heads_alone`), or drafting chains."""
+    (`Method.heads_alone`), drafting chains, or drafting the named `tree`."""
     method = METHODS.get(kind)  # a drafter kind's decoding method carries its name
-    return method.builder()(target, method.heads_alone(path, chain), load_draft)
+    return method.builder()(target, method.heads_alone(path, chain, tree), load_draft)

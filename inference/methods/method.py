@@ -76,13 +76,16 @@ class Method:
             raise ValueError(f"{flag(name)} takes {'an integer' if kind is int else 'a number'}, "
                              f"got {text!r}") from None
 
-    def heads_alone(self, path: str, chain: bool = False) -> Any:
+    def heads_alone(self, path: str, chain: bool = False, tree: str | None = None) -> Any:
         """Options for the drafter saved at `path` with nothing grafted on and its whole trees verified (what
         training measures: the heads' own τ, the same on every machine); with `chain`, drafting one token per level
-        where the method builds trees."""
+        where the method builds trees; `tree` names the tree instead (e.g. "chain3", a chain engine's draft)."""
+        if tree is not None and not self.takes("tree"):
+            raise ValueError(f"method {self.name!r} drafts no named trees; measure it without tree={tree!r}")
         return self.make_options({self.arg: path, **({"lookup": 0} if self.takes("lookup") else {}),
                                   **({"node_budget": "fixed"} if self.takes("node_budget") else {}),
-                                  **({"topk": 1} if chain and self.takes("topk") else {})})
+                                  **({"topk": 1} if chain and self.takes("topk") else {}),
+                                  **({"tree": tree} if tree is not None else {})})
 
 
 METHODS: Registry[Method] = Registry("method", builtins="specheads.inference.methods.builtin")

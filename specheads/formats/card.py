@@ -12,8 +12,8 @@ import yaml
 from specheads.formats.base import EXPORTERS, ExportContext
 from specheads.heads.checkpoint import Checkpoint
 
-_FIGURES = ("eval/measured_tau", "eval/measured_acceptance_rate", "eval/simulated_tau_chain", "eval/top1_step1",
-            "eval/top1_head1")
+_FIGURES = ("eval/measured_tau", "eval/measured_acceptance_rate", "eval/measured_chain_tau",
+            "eval/measured_chain_first_accept", "eval/simulated_tau_chain", "eval/top1_step1", "eval/top1_head1")
 
 
 def _run_evals(run: Path | None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`llama-server` run on a free loopback port for as long as a `with` block lasts, and asked for completions.
 
-One slot (`-np 1`), so each request has the machine to itself as our engine does; prompts are sent as token ids
-(the same ids our engine decodes from) and answers come back as token ids (`return_tokens`), never re-tokenized.
+One slot (`-np 1`) by default, so each request has the machine to itself as our engine does (`slots=N` serves N
+requests at once, each with `ctx_size` tokens: throughput, for regeneration); prompts are sent as token ids (the
+same ids our engine decodes from) and answers come back as token ids (`return_tokens`), never re-tokenized.
 The server keeps no prompt cache between requests (`cache_prompt: false`), so every request pays its prefill,
 as ours do. With a drafter (`-md FILE --spec-type TYPE`) its answer carries llama.cpp's own draft statistics.
 """
@@ -49,7 +50,7 @@ class LlamaServer:
     """`with LlamaServer(model_gguf, draft=drafter_gguf, spec_type="draft-eagle3") as server: server.complete(...)`.
 
     `draft_max` is how many tokens llama.cpp drafts per step (its `--spec-draft-n-max`); `threads` its `-t` and
-    `-tb` (None: llama.cpp's default); `cache_type` its KV cache's type (None: llama.cpp's default, f16; "f32" for
+    `-tb` (None: llama.cpp's default); `ctx_size` a slot's context; `cache_type` its KV cache's type (None: llama.cpp's default, f16; "f32" for
     an F32 model compared with our fp32, whose cache is fp32, with flash attention off, whose CPU kernel rounds
     through f16; "bf16" beside our bf16). The binary is `binary`, else `$SPECHEADS_LLAMA_SERVER` (one built
     elsewhere, e.g. with CUDA: it should be of the release `specheads.llamacpp.source.VERSION` names), else the one
@@ -58,17 +59,20 @@ class LlamaServer:
 
     def __init__(self, model: Path, *, draft: Path | None = None, spec_type: str | None = None, draft_max: int = 3,
                  threads: int | None = None, ctx_size: int = 4096, cache_type: str | None = None,
-                 binary: Path | None = None,
+                 slots: int = 1, binary: Path | None = None,
                  extra_args: tuple[str, ...] = (), on_progress: Progress | None = None) -> None:
         if draft is not None and spec_type is None:
             raise ValueError("a drafter needs both draft= (its GGUF) and spec_type= (e.g. draft-eagle3)")
         if draft is None and spec_type is not None and spec_type.startswith("draft"):
             raise ValueError(f"spec_type={spec_type} drafts with a model: pass its GGUF as draft=")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
         for path in (model, draft):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{path} is not a file; pass a GGUF model file")
         self.model, self.draft, self.spec_type, self.draft_max = Path(model), draft, spec_type, draft_max
         self.threads, self.ctx_size, self.cache_type, self.extra_args = threads, ctx_size, cache_type, tuple(extra_args)
+        self.slots = slots
         self.binary = binary
         self.on_progress = on_progress
         self.port = 0
@@ -83,7 +87,7 @@ class LlamaServer:
         own = os.environ.get("SPECHEADS_LLAMA_SERVER")  # a llama-server built elsewhere (e.g. for a GPU)
         binary = self.binary or (Path(own) if own else llama_server(on_progress=self.on_progress))
         cmd = [str(binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
-               "-c", str(self.ctx_size), "-np", "1", "--no-webui"]
+               "-c", str(self.ctx_size * self.slots), "-np", str(self.slots), "--no-webui"]
         if self.threads:
             cmd += ["-t", str(self.threads), "-tb", str(self.threads)]
         if self.cache_type:

@@ -44,6 +44,9 @@ def test_eagle_recipe_lowers_the_loss_and_decodes_exactly(tiny_run_inputs, tmp_p
     measured = metrics(out)[-1]  # the saved heads decoding held-out prompts through the bench's runner
     assert measured["eval/measured_prompts"] == 4  # the default, all from held-out conversations
     assert 1.0 <= measured["eval/measured_tau"] <= 6.0  # the bonus token plus at most the tree depth (5)
+    # the same prompts drafting a chain of 3: τ is one plus the accepted run, which the first guess starts
+    chain_tau, first = measured["eval/measured_chain_tau"], measured["eval/measured_chain_first_accept"]
+    assert 1.0 <= chain_tau <= 4.0 and 0.0 <= first <= 1.0 and (chain_tau > 1.0) == (first > 0.0)
 
     from specheads.inference import Engine
     from specheads.inference.methods import METHODS, make_proposer
@@ -261,6 +264,8 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path):
     with pytest.raises(ValueError, match="not both 0"):
         load("heads.reg_weight=0", "heads.cls_weight=0")
     assert load("optim.lr=3e-4").optim.lr == 3e-4  # YAML 1.1 reads this as a string
+    with pytest.raises(ValueError, match="measure_chain must be a chain length in 1..99, or 0 to skip"):
+        load("measure_chain=-1")
 
 
 def test_each_recipe_reads_its_own_heads_section():
