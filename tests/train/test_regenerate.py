@@ -76,3 +76,38 @@ def test_max_turns_keeps_only_the_first_exchanges(tiny_model_dir, tmp_path):
     assert len(rows) == 3 and all([m["role"] for m in r] == ["user", "assistant"] for r in rows)
     assert main(["--target", str(tiny_model_dir), "--source", str(data), "--output", str(tmp_path / "x"),
                  "--max-turns", "0"]) == 2
+
+
+class Counted:
+    """The real answerer, its calls and the conversations each asked counted."""
+
+    def __init__(self, answerer) -> None:
+        self.answerer, self.asked = answerer, []
+
+    def answer(self, conversations):
+        self.asked.append(len(conversations))
+        yield from self.answerer.answer(conversations)
+
+
+def test_every_shard_is_asked_in_one_stream_and_a_shard_answered_whole_before_a_kill_is_kept(tiny_model_dir,
+                                                                                              tmp_path):
+    from specheads.target import load_target
+
+    data = tmp_path / "conv.jsonl"
+    write_conversations(data, n=5)
+    model, tok = load_target(str(tiny_model_dir))
+    convs = load_conversations(str(data))[0]["messages"]
+    out = tmp_path / "regen"
+    answerer = Counted(TargetAnswerer(model, tok, batch_size=4, max_new_tokens=4, stop_ids=[2]))
+    first = regenerate(convs, out, answerer, shard_size=2)
+    # one stream over three shards: the answerer's batches span shard boundaries, its slots never drain at one
+    assert answerer.asked == [5] and (first.answered, first.kept) == (5, 5) and first.tokens > 0
+    whole = (out / "conversations.jsonl").read_text()
+    # killed after the second shard's last answer reached its journal, before the shard was written
+    rows = [json.loads(line)["messages"] for line in (out / "shard_00001.jsonl").read_text().splitlines()]
+    (out / "shard_00001.jsonl").unlink()
+    (out / "shard_00001.partial.jsonl").write_text("".join(json.dumps({"i": i, "messages": m}) + "\n"
+                                                           for i, m in enumerate(rows)))
+    again = regenerate(convs, out, answerer, shard_size=2)
+    assert answerer.asked == [5, 0] and (again.answered, again.resumed) == (0, 5)
+    assert (out / "conversations.jsonl").read_text() == whole and not list(out.glob("*.partial.jsonl"))
