@@ -122,6 +122,7 @@ def recipes_markdown() -> str:
     from specheads.train.config import DataConfig, OptimConfig, TrainConfig
     from specheads.train.objective import OBJECTIVES
     from specheads.train.onpolicy import OnPolicyConfig
+    from specheads.train.regenerated_data import RegenerateConfig
 
     header = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     out = [GENERATED, "", "# Recipe reference", "",
@@ -132,7 +133,10 @@ def recipes_markdown() -> str:
            "## `optim:`", "", *header, *_key_rows(OptimConfig, "optim."), "",
            "## `onpolicy:`", "", "Training on the drafter's own mistakes: rollouts with the drafter being trained, "
            "replayed into every later step (heads recipes; `train/onpolicy.py`).", "",
-           *header, *_key_rows(OnPolicyConfig, "onpolicy."), ""]
+           *header, *_key_rows(OnPolicyConfig, "onpolicy."), "",
+           "## `regenerate:`", "", "Training on the target's own answers: each conversation's first answer "
+           "regenerated greedily by the target, cached under `$SPECHEADS_HOME/regenerated/` "
+           "(`train/regenerated_data.py`).", "", *header, *_key_rows(RegenerateConfig, "regenerate."), ""]
     for name in sorted(OBJECTIVES.names()):
         objective = OBJECTIVES.get(name)
         section = objective.section

@@ -45,6 +45,7 @@ from specheads.train.launch_check import check_launch
 from specheads.train.objective import OBJECTIVES, Objective
 from specheads.train.onpolicy import OnPolicy
 from specheads.train.optimizer import build_optimizer
+from specheads.train.regenerated_data import with_regenerated
 from specheads.train.sharding import keep_models_whole, whole_parameters
 from specheads.train.target_sharding import check_shardable, shard_target
 
@@ -254,6 +255,13 @@ class TrainingRun:
         with accelerator.main_process_first():
             conversations, report = load_conversations(cfg.data.source, max_conversations=cfg.data.max_conversations,
                                                       skip_conversations=cfg.data.skip_conversations)
+            self.regenerated = None
+            if cfg.regenerate.enabled:  # the main process answers (or finds the cache); the others read its cache
+                self.regenerated = with_regenerated(
+                    conversations, cfg.regenerate, target=cfg.target, source=cfg.data.source,
+                    slice_={"skip": cfg.data.skip_conversations, "max": cfg.data.max_conversations},
+                    model=self.target, tokenizer=self.tokenizer, max_length=cfg.data.max_length)
+                conversations = self.regenerated.conversations
             tokenized = tokenize_dataset(conversations, self.tokenizer, cfg.data.max_length)
         train_ds, eval_ds = split_by_conversation(tokenized, cfg.data.eval_fraction, cfg.split_seed)
         eval_ds = eval_ds.select(range(min(len(eval_ds), cfg.data.max_eval_conversations)))
@@ -318,6 +326,13 @@ class TrainingRun:
         if accelerator.is_main_process and self.resume_from is not None:
             _keep_metrics_through(out / "metrics.jsonl", self.progress.step)
         self.metrics_file = (out / "metrics.jsonl").open("a", encoding="utf-8") if accelerator.is_main_process else None
+        if self.regenerated is not None and self.progress.step == 0:  # what the answers cost, where they are
+            done = self.regenerated.report
+            self.emit({"step": 0, "regenerate/answered": done.answered, "regenerate/cached": done.resumed,
+                       "regenerate/kept": done.kept, "regenerate/seconds": done.seconds,
+                       "regenerate/tokens_per_s": done.tokens / done.seconds if done.seconds else 0.0,
+                       "regenerate/conversations": len(self.regenerated.conversations),
+                       "regenerate/folder": str(self.regenerated.folder)})
         if self.shards is not None and self.progress.step == 0:  # what each process holds, for the record
             held = accelerator.gather(torch.tensor([self.shards.held], device=accelerator.device)).tolist()
             self.emit({"step": 0, "target_decoder_weights": self.shards.total, "target_decoder_weights_held": held,
