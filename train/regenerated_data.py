@@ -86,12 +86,7 @@ def with_regenerated(conversations: datasets.Dataset, cfg: RegenerateConfig, *, 
         raise ValueError(f"regenerate.mode={cfg.mode} answers conversations, and {source} holds pre-tokenized rows; "
                          "pass a source of conversations, or regenerate.mode=none")
     asked = [m for m in conversations["messages"] if _prompt_fits(tokenizer, m, max_length)]
-    key = {"target": _stamp(resolve_target(target)), "source": _stamp(sharegpt_path() if source.strip().lower()
-                                                                      == SHAREGPT_SOURCE else source),
-           "slice": slice_, "asked": len(asked), "via": _via_key(cfg.via, model), "max_new_tokens": cfg.max_new_tokens,
-           "turns": 1, "temperature": 0.0}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    folder = specheads_home() / "regenerated" / f"{Path(str(resolve_target(target))).name}-{digest}"
+    folder, key = cache_folder(cfg, target=target, source=source, slice_=slice_, asked=len(asked), model=model)
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):  # one process answers; the others find its cache
         if (folder / META).is_file():
@@ -115,6 +110,17 @@ def with_regenerated(conversations: datasets.Dataset, cfg: RegenerateConfig, *, 
     if cfg.mode == "mixed":
         answered = datasets.concatenate_datasets([conversations, answered])
     return Regenerated(answered, report, folder)
+
+
+def cache_folder(cfg: RegenerateConfig, *, target: str, source: str, slice_: dict, asked: int,
+                 model: PreTrainedModel) -> tuple[Path, dict]:
+    """Where the answers to a slice are cached, and the key (what decides them) that names the folder."""
+    key = {"target": _stamp(resolve_target(target)),
+           "source": _stamp(sharegpt_path() if source.strip().lower() == SHAREGPT_SOURCE else source),
+           "slice": slice_, "asked": asked, "via": _via_key(cfg.via, model), "max_new_tokens": cfg.max_new_tokens,
+           "turns": 1, "temperature": 0.0}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return specheads_home() / "regenerated" / f"{Path(str(resolve_target(target))).name}-{digest}", key
 
 
 def _answer(conversations: list[list[dict]], folder: Path, cfg: RegenerateConfig, *, target: str,
