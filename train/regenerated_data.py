@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from specheads.checked import Checked
 from specheads.conversations import sharegpt_path
 from specheads.target import resolve_target, stop_token_ids
 from specheads.train.data import MESSAGES_FEATURES, SHAREGPT_SOURCE
-from specheads.train.endpoint import Endpoint, EndpointAnswerer
+from specheads.train.endpoint import Answered, Endpoint, EndpointAnswerer
 from specheads.train.regenerate import Answerer, RegenerateReport, TargetAnswerer, regenerate
 
 log = logging.getLogger(__name__)
@@ -125,29 +126,44 @@ def cache_folder(cfg: RegenerateConfig, *, target: str, source: str, slice_: dic
 
 def _answer(conversations: list[list[dict]], folder: Path, cfg: RegenerateConfig, *, target: str,
             model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_length: int) -> RegenerateReport:
+    answerer: Answerer
     if cfg.via == "target":
-        answerer: Answerer = TargetAnswerer(model, tokenizer, batch_size=cfg.batch_size,
-                                            max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=max_length,
-                                            stop_ids=stop_token_ids(tokenizer, model))
-        return regenerate(conversations, folder, answerer, max_turns=1)
-    if cfg.via != "llamacpp":
-        return _through(Endpoint(cfg.via, concurrency=cfg.slots), conversations, folder, cfg)
-    from specheads.llamacpp.server import LlamaServer
-    from specheads.llamacpp.target_gguf import target_gguf
-
-    # F32 weights and an f32 cache: the fp32 target's greedy answers (equal to HF's, up to ties within rounding)
-    with LlamaServer(target_gguf(target, "f32"), cache_type="f32", slots=cfg.slots,
-                     ctx_size=max_length + cfg.max_new_tokens) as server:
-        return _through(Endpoint(server.url, concurrency=cfg.slots), conversations, folder, cfg)
-
-
-def _through(endpoint: Endpoint, conversations: list[list[dict]], folder: Path,
-             cfg: RegenerateConfig) -> RegenerateReport:
-    answerer = EndpointAnswerer(endpoint, max_new_tokens=cfg.max_new_tokens)
+        answerer = TargetAnswerer(model, tokenizer, batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                                  max_prompt_tokens=max_length, stop_ids=stop_token_ids(tokenizer, model))
+    elif cfg.via == "llamacpp":
+        answerer = LlamaServerAnswerer(target, slots=cfg.slots, max_new_tokens=cfg.max_new_tokens,
+                                       ctx_size=max_length + cfg.max_new_tokens)
+    else:
+        answerer = EndpointAnswerer(Endpoint(cfg.via, concurrency=cfg.slots), max_new_tokens=cfg.max_new_tokens)
     try:
         return regenerate(conversations, folder, answerer, max_turns=1)
     finally:
-        answerer.close()
+        if isinstance(answerer, EndpointAnswerer):
+            answerer.close()
+
+
+class LlamaServerAnswerer:
+    """An `Answerer`: `llama-server` on the target's F32 GGUF with an f32 cache (the fp32 target's greedy answers,
+    equal to HF's up to ties within rounding), `slots` conversations at once; started only when there is something
+    to ask, so a run whose answers are all cached starts nothing."""
+
+    def __init__(self, target: str, *, slots: int, max_new_tokens: int, ctx_size: int) -> None:
+        self.target, self.slots, self.max_new_tokens, self.ctx_size = target, slots, max_new_tokens, ctx_size
+
+    def answer(self, conversations: list[list[dict]]) -> Iterator[Answered]:
+        if not conversations:
+            return
+        from specheads.llamacpp.server import LlamaServer
+        from specheads.llamacpp.target_gguf import target_gguf
+
+        with LlamaServer(target_gguf(self.target, "f32"), cache_type="f32", slots=self.slots,
+                         ctx_size=self.ctx_size) as server:
+            answerer = EndpointAnswerer(Endpoint(server.url, concurrency=self.slots),
+                                        max_new_tokens=self.max_new_tokens)
+            try:
+                yield from answerer.answer(conversations)
+            finally:
+                answerer.close()
 
 
 def _prompt_fits(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int) -> bool:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from specheads.inference.bench.llamacpp_spec import LlamaCppOptions
+from specheads.inference.bench.llamacpp_spec import DEFAULT_DRAFT_MAX, LlamaCppOptions
 from specheads.inference.engine.llamacpp_backend import CACHE_TYPES
 from specheads.inference.engine.sampling import SamplingParams
 from specheads.inference.engine.stats import GenerationStats
@@ -31,35 +32,70 @@ class LlamaCppRunner:
 
     measures_tau = True
 
-    def __init__(self, options: LlamaCppOptions, target: str, dtype: torch.dtype, threads: int | None = None) -> None:
+    def __init__(self, options: LlamaCppOptions, target: str, dtype: torch.dtype, threads: int | None = None,
+                 tokenizer: Any = None) -> None:
         from specheads.llamacpp.server import LlamaServer
         from specheads.llamacpp.target_gguf import target_gguf
 
         self.options = options
         self.precision = run_precision(options, dtype)
         model = target_gguf(target, self.precision)
+        threads = threads or torch.get_num_threads()
+        cache_type = CACHE_TYPES.get(self.precision)
         self._scratch = tempfile.TemporaryDirectory(prefix="specheads-llamacpp-")
-        draft = None if options.heads is None else self._draft_gguf(options, target)
-        spec_type = "draft-eagle3" if draft is not None else options.kind  # llama.cpp's own drafting, or none
-        self.server = LlamaServer(model, draft=draft, spec_type=spec_type,
-                                  draft_max=options.draft_max, threads=threads or torch.get_num_threads(),
-                                  cache_type=CACHE_TYPES.get(self.precision))
+        self.settings_text = ""  # how the drafting settings were chosen, for the report
+        draft, draft_max, p_min = None, options.draft_max or DEFAULT_DRAFT_MAX, options.p_min or 0.0
+        if options.heads is not None:
+            drafts = self._draft_ggufs(options, target)
+            if options.measured:
+                draft_max, p_min, draft = self._measured(model, drafts, threads, cache_type, tokenizer)
+            else:
+                draft = drafts[self._draft_precision()]
+        spec_type = options.kind  # llama.cpp's own drafting, or none
+        if options.heads is not None:  # no draft: measured not to pay here, so the row runs plain (report says why)
+            spec_type = "draft-eagle3" if draft is not None else None
+        self.server = LlamaServer(model, draft=draft, spec_type=spec_type, draft_max=draft_max, p_min=p_min,
+                                  threads=threads, cache_type=cache_type)
         try:
             self.server.__enter__()
         except BaseException:
             self._scratch.cleanup()
             raise
 
-    def _draft_gguf(self, options: LlamaCppOptions, target: str) -> Path:
-        """The drafter as GGUF: a .gguf file as is, heads exported (f32, or bf16 beside a bf16 target)."""
+    def _draft_precision(self) -> str:
+        """The drafter's precision where the settings are given: f32, or bf16 beside a bf16 target."""
+        return "bf16" if self.precision == "bf16" else "f32"
+
+    def _draft_ggufs(self, options: LlamaCppOptions, target: str) -> dict[str, Path]:
+        """The drafter as GGUF by precision: a .gguf file as is (its precision taken for any); heads exported at
+        the precision used (`_draft_precision`), or, where the settings are measured, at every one measured."""
         from specheads.formats.export import export
+        from specheads.llamacpp.draft_settings import DRAFT_PRECISIONS
 
         path = Path(str(options.heads))
         if path.suffix == ".gguf":
-            return path
-        precision = "bf16" if self.precision == "bf16" else "f32"
-        done = export(path, "gguf", Path(self._scratch.name) / "draft", target=target, precision=precision)
-        return done.folder / next(f for f in done.files if f.endswith(".gguf"))
+            return {"f32": path, self._draft_precision(): path}
+        drafts = {}
+        for precision in DRAFT_PRECISIONS if options.measured else (self._draft_precision(),):
+            done = export(path, "gguf", Path(self._scratch.name) / f"draft-{precision}", target=target,
+                          precision=precision)
+            drafts[precision] = done.folder / next(f for f in done.files if f.endswith(".gguf"))
+        return drafts
+
+    def _measured(self, model: Path, drafts: dict[str, Path], threads: int, cache_type: str | None,
+                  tokenizer: Any) -> tuple[int, float, Path | None]:
+        """The settings measured fastest for these files on this machine (cached; measured now where not yet)."""
+        from specheads.llamacpp.draft_settings import calibration_prompts, draft_settings, drafter_id
+
+        if tokenizer is None:
+            raise ValueError("measuring llama.cpp's drafting settings needs the target's tokenizer (calibration "
+                             "prompts); pass +draft_max=N to give them")
+        choice = draft_settings(model, drafts, lambda: calibration_prompts(tokenizer),
+                                drafter=drafter_id(Path(str(self.options.heads))), threads=threads,
+                                cache_type=cache_type)
+        s = choice.settings
+        self.settings_text = f"{s.label()} ({choice.why}; measured {choice.measured})"
+        return s.n_max, s.p_min, drafts[s.precision] if s.n_max else None
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,
                  stop_token_ids: list[int]) -> tuple[list[int], GenerationStats]:

@@ -122,7 +122,8 @@ def summary_markdown(report: BenchReport) -> str:
         def show(v: object) -> str:
             return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
 
-        parts += ["; ".join(f"{k}: {show(v)}" for k, v in cfg.items() if k not in ("versions", "machine")), ""]
+        parts += ["; ".join(f"{k}: {show(v)}" for k, v in cfg.items()
+                            if k not in ("versions", "machine", "llamacpp_settings")), ""]
         if "machine" in cfg:
             parts += ["## Machine", "", machine_text(cfg["machine"]), ""]
     if answered := answered_text(cfg):
@@ -132,6 +133,10 @@ def summary_markdown(report: BenchReport) -> str:
     if report.llamacpp_exact:
         parts += ["## Drafting on llama.cpp against llama.cpp alone", ""]
         parts += [f"- {m}: {k} outputs equal to {plain_of(m)}'s" for m, k in report.llamacpp_exact.items()]
+        parts.append("")
+    if cfg.get("llamacpp_settings"):
+        parts += ["## llama.cpp's drafting settings, measured on this machine", ""]
+        parts += [f"- {m}: {text}" for m, text in cfg["llamacpp_settings"].items()]
         parts.append("")
     if report.mismatches:
         parts += ["## Greedy mismatches against ar", "", mismatch_summary(report.mismatches), ""]

@@ -212,7 +212,8 @@ def _build_runner(target: PreTrainedModel, spec: MethodSpec, load_draft: DraftLo
     if spec.method == LLAMACPP:
         from specheads.inference.bench.llamacpp import LlamaCppRunner
 
-        return LlamaCppRunner(spec.options, target_name or target.config.name_or_path, target.dtype)
+        return LlamaCppRunner(spec.options, target_name or target.config.name_or_path, target.dtype,
+                              tokenizer=tokenizer)
     if spec.method == "hf":
         return _HFGenerate(target)
     if spec.method == "hf-static":

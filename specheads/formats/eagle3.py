@@ -140,7 +140,8 @@ register_importer(Importer(f"SGLang {SGLANG_ARCHITECTURE}", f'config.json "archi
 # -- llama.cpp ------------------------------------------------------------------------------------------------
 
 def write_gguf(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
-    return gguf.write_chain_gguf(_config(ckpt), ckpt.state, folder, ctx, kind=KIND_NAME, target=ckpt.target)
+    return gguf.write_chain_gguf(_config(ckpt), ckpt.state, folder, ctx, kind=KIND_NAME, target=ckpt.target,
+                                 heads=ckpt.path)
 
 
 register_exporter(gguf.exporter(KIND_NAME, write_gguf))

@@ -78,10 +78,12 @@ def refuse_other_target(mine: TargetInfo, ctx: ExportContext, cfg: FusedChainCon
 
 
 def write_chain_gguf(cfg: FusedChainConfig, state: Mapping[str, torch.Tensor], folder: Path, ctx: ExportContext,
-                     *, kind: str, target: TargetInfo, note: str = "", draft_max: int | None = None) -> list[str]:
+                     *, kind: str, target: TargetInfo, note: str = "", draft_max: int | None = None,
+                     heads: Path | None = None) -> list[str]:
     """Write the EAGLE-3 draft of fused chain heads (`cfg`, their tensors `state` under speculators' names, trained
     for `target`) as `folder/KIND-PRECISION.gguf`, checked, and a README.md with the command that serves it (`note`
-    and `draft_max`, the `--spec-draft-n-max` it recommends, from the kind)."""
+    and `draft_max`, the `--spec-draft-n-max` it recommends, from the kind), and the drafting settings measured for
+    the heads in folder `heads` on this machine (`specheads.llamacpp.draft_settings`), where any were."""
     precision = check_outtype(ctx.precision or DEFAULT_PRECISION)
     lc = layer_config(ctx.target_config, cfg.num_layers, cfg.layer)
     refuse_unrepresentable(cfg, lc, kind)
@@ -97,7 +99,8 @@ def write_chain_gguf(cfg: FusedChainConfig, state: Mapping[str, torch.Tensor], f
         write_speculators_layout(cfg, state, draft, ctx, architecture="Eagle3Speculator", with_embedding=False)
         convert_hf_to_gguf(draft, folder / name, outtype=precision, target_model_dir=ctx.target_path)
     check_drafter_gguf(folder / name, cfg, lc)
-    (folder / "README.md").write_text(_readme(kind, name, ctx.verifier, precision, note, draft_max),
+    measured = _measured_settings(Path(heads), kind) if heads is not None else ""
+    (folder / "README.md").write_text(_readme(kind, name, ctx.verifier, precision, note, draft_max) + measured,
                                       encoding="utf-8")
     return [name, "README.md"]
 
@@ -160,6 +163,26 @@ def check_drafter_gguf(path: Path, cfg: FusedChainConfig, lc: Any) -> None:
             cfg.draft_vocab) else min(len(d2t), len(cfg.draft_vocab))
         raise RuntimeError(f"{path.name}: d2t maps draft row {first} elsewhere than the heads' draft vocabulary "
                            f"({len(d2t)} rows against {len(cfg.draft_vocab)})")
+
+
+def _measured_settings(heads: Path, kind: str) -> str:
+    """The README's section on the drafting settings measured for these heads here, one command per target file;
+    how to measure them where none were."""
+    from specheads.llamacpp.draft_settings import cached_choices, drafter_id
+
+    choices = cached_choices(drafter_id(heads))
+    if not choices:
+        return ("\nNo drafting settings were measured for these heads on this machine. `specheads bench --methods "
+                f"llamacpp,llamacpp+{kind}:HEADS_DIR` measures them against the target's GGUF (one server per setting: "
+                "chain length, the drafter's probability cut and its precision), keeps the choice and reports it.\n")
+    lines = ["", "## Drafting settings measured for these heads", ""]
+    for c in choices:
+        s = c.settings
+        command = (f"llama-server -m TARGET.gguf -md {gguf_name(kind, s.precision)} --spec-type {SPEC_TYPE} "
+                   f"{s.server_args()}" if s.n_max else "llama-server -m TARGET.gguf   # no draft")
+        lines += [f"- target {c.target} on {c.machine}, {c.measured}: {c.why}.", "",
+                  f"  ```bash\n  {command}\n  ```", ""]
+    return "\n".join(lines)
 
 
 def _readme(kind: str, name: str, verifier: str, precision: str, note: str, draft_max: int | None) -> str:

@@ -72,7 +72,7 @@ GGUF_NOTE = ("P-EAGLE heads draft here as the EAGLE-3 draft they contain. llama.
 def write_gguf(ckpt: Checkpoint, folder: Path, ctx: ExportContext) -> list[str]:
     state = {k: v for k, v in ckpt.state.items() if k != "mask_hidden"}  # read by the parallel positions only
     return gguf.write_chain_gguf(build(PEagleConfig, ckpt.config), state, folder, ctx, kind=KIND_NAME,
-                                 target=ckpt.target, note=GGUF_NOTE, draft_max=1)
+                                 target=ckpt.target, note=GGUF_NOTE, draft_max=1, heads=ckpt.path)
 
 
 register_exporter(gguf.exporter(KIND_NAME, write_gguf))

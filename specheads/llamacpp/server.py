@@ -49,16 +49,19 @@ class Completion:
 class LlamaServer:
     """`with LlamaServer(model_gguf, draft=drafter_gguf, spec_type="draft-eagle3") as server: server.complete(...)`.
 
-    `draft_max` is how many tokens llama.cpp drafts per step (its `--spec-draft-n-max`); `threads` its `-t` and
-    `-tb` (None: llama.cpp's default); `ctx_size` a slot's context; `cache_type` its KV cache's type (None: llama.cpp's default, f16; "f32" for
-    an F32 model compared with our fp32, whose cache is fp32, with flash attention off, whose CPU kernel rounds
-    through f16; "bf16" beside our bf16). The binary is `binary`, else `$SPECHEADS_LLAMA_SERVER` (one built
-    elsewhere, e.g. with CUDA: it should be of the release `specheads.llamacpp.source.VERSION` names), else the one
-    `build.py` builds. The server's log is kept in a temporary file and quoted when it fails.
+    `draft_max` is how many tokens llama.cpp drafts per step (its `--spec-draft-n-max`), `p_min` the drafter's
+    probability below which it stops drafting (`--spec-draft-p-min`; 0: never: llama.cpp's default; this release
+    takes both per server only, not per request: `draft_settings.py` measures them); `threads` its `-t` and
+    `-tb` (None: llama.cpp's default); `ctx_size` a slot's context; `cache_type` its KV cache's type (None:
+    llama.cpp's default, f16; "f32" for an F32 model compared with our fp32, whose cache is fp32, with flash
+    attention off, whose CPU kernel rounds through f16; "bf16" beside our bf16). The binary is `binary`, else
+    `$SPECHEADS_LLAMA_SERVER` (one built elsewhere, e.g. with CUDA: it should be of the release
+    `specheads.llamacpp.source.VERSION` names), else the one `build.py` builds. The server's log is kept in a
+    temporary file and quoted when it fails.
     """
 
     def __init__(self, model: Path, *, draft: Path | None = None, spec_type: str | None = None, draft_max: int = 3,
-                 threads: int | None = None, ctx_size: int = 4096, cache_type: str | None = None,
+                 p_min: float = 0.0, threads: int | None = None, ctx_size: int = 4096, cache_type: str | None = None,
                  slots: int = 1, binary: Path | None = None,
                  extra_args: tuple[str, ...] = (), on_progress: Progress | None = None) -> None:
         if draft is not None and spec_type is None:
@@ -67,10 +70,13 @@ class LlamaServer:
             raise ValueError(f"spec_type={spec_type} drafts with a model: pass its GGUF as draft=")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if not 0.0 <= p_min <= 1.0:
+            raise ValueError(f"p_min is a probability in [0, 1], got {p_min}")
         for path in (model, draft):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{path} is not a file; pass a GGUF model file")
         self.model, self.draft, self.spec_type, self.draft_max = Path(model), draft, spec_type, draft_max
+        self.p_min = p_min
         self.threads, self.ctx_size, self.cache_type, self.extra_args = threads, ctx_size, cache_type, tuple(extra_args)
         self.slots = slots
         self.binary = binary
@@ -101,6 +107,8 @@ class LlamaServer:
         if self.spec_type is not None:  # a draft model's type, or one of llama.cpp's own n-gram drafters
             cmd += ["--spec-type", str(self.spec_type), "--spec-draft-n-max", str(self.draft_max),
                     "--spec-draft-n-min", "0"]
+            if self.p_min:
+                cmd += ["--spec-draft-p-min", f"{self.p_min:g}"]
         return cmd + list(self.extra_args)
 
     def __enter__(self) -> LlamaServer:
@@ -156,7 +164,7 @@ class LlamaServer:
         return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-lines:])
 
     def complete(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, draft_max: int | None = None) -> Completion:
+                 top_p: float = 1.0, seed: int | None = None) -> Completion:
         """Answer the token ids `prompt` with up to `max_new_tokens` tokens; greedy at temperature 0 (llama.cpp
         then takes the argmax); it stops at the model's end-of-generation tokens."""
         if self._proc is None or self._proc.poll() is not None:
@@ -165,8 +173,6 @@ class LlamaServer:
                 "top_p": top_p, "min_p": 0.0, "cache_prompt": False, "return_tokens": True, "stream": False}
         if seed is not None:
             body["seed"] = seed
-        if draft_max is not None:
-            body["speculative.n_max"] = draft_max
         request = urllib.request.Request(f"{self.url}/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         start = time.perf_counter()

@@ -9,12 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
+import specheads.train.regenerated_data as regenerated_data
 from specheads.target import load_target
 from specheads.train.__main__ import main as train_main
 from specheads.train.config import load_train_config
 from specheads.train.data import load_conversations
-from specheads.train.regenerated_data import MIN_ANSWER_TOKENS, RegenerateConfig, with_regenerated
+from specheads.train.regenerated_data import (
+    MIN_ANSWER_TOKENS,
+    LlamaServerAnswerer,
+    RegenerateConfig,
+    with_regenerated,
+)
 from tests.conftest import base_args
+
+
+def home(monkeypatch, tmp_path) -> None:
+    """Answers cached in a temporary folder (the rest of the cache, llama.cpp's build among it, stays shared)."""
+    monkeypatch.setattr(regenerated_data, "specheads_home", lambda: tmp_path / "home")
 
 
 def metrics(out) -> list[dict]:
@@ -22,7 +33,7 @@ def metrics(out) -> list[dict]:
 
 
 def test_a_recipe_trains_on_the_targets_answers_regenerated_once_and_cached(tiny_run_inputs, tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECHEADS_HOME", str(tmp_path / "home"))
+    home(monkeypatch, tmp_path)
     regen = ["regenerate.mode=alone", "regenerate.via=target", "regenerate.max_new_tokens=8",
              "regenerate.batch_size=16", "max_steps=2", "save_every=2", "measure_prompts=0"]
     assert train_main(base_args(tiny_run_inputs, tmp_path / "a", *regen)) == 0
@@ -46,14 +57,15 @@ def test_a_recipe_trains_on_the_targets_answers_regenerated_once_and_cached(tiny
     # another seed reads the cache; mixed trains on both the source's answers and the target's
     assert train_main(base_args(tiny_run_inputs, tmp_path / "b", *regen, "seed=1")) == 0
     again = metrics(tmp_path / "b")[0]
-    assert (again["regenerate/answered"], again["regenerate/cached"], again["regenerate/folder"]) == (0, 48, str(folder))
+    assert (again["regenerate/answered"], again["regenerate/cached"], again["regenerate/folder"]) == (
+        0, 48, str(folder))
     assert train_main(base_args(tiny_run_inputs, tmp_path / "c", *regen, "regenerate.mode=mixed")) == 0
     assert metrics(tmp_path / "c")[0]["regenerate/conversations"] == 96
 
 
 def test_prompts_leaving_no_room_for_an_answer_are_not_asked_and_bad_settings_are_named(tiny_run_inputs, tmp_path,
                                                                                           monkeypatch):
-    monkeypatch.setenv("SPECHEADS_HOME", str(tmp_path / "home"))
+    home(monkeypatch, tmp_path)
     target, data = tiny_run_inputs
     model, tokenizer = load_target(str(target))
     conversations = load_conversations(str(data))[0]
@@ -68,6 +80,8 @@ def test_prompts_leaving_no_room_for_an_answer_are_not_asked_and_bad_settings_ar
                                          r"16 tokens of data.max_length=24 for an answer"):
         with_regenerated(four, RegenerateConfig(mode="alone", via="target", max_new_tokens=4), target=str(target),
                          source=str(data), slice_={"n": 4}, model=model, tokenizer=tokenizer, max_length=24)
+    # nothing left to ask (a resumed regeneration): llama-server is not even looked for
+    assert list(LlamaServerAnswerer("/no/such/target", slots=2, max_new_tokens=4, ctx_size=64).answer([])) == []
     with pytest.raises(ValueError, match="regenerate.mode must be one of none, alone, mixed"):
         load_train_config(None, ["recipe=eagle", "regenerate.mode=both"])
     with pytest.raises(ValueError, match="regenerate.via must be llamacpp, target or a server's http"):
@@ -80,7 +94,7 @@ def test_llamacpp_answers_as_the_fp32_target_does(tmp_path, monkeypatch):
     fp32 HF target does greedily (token for token, or parting first at a near-tie of the fp32 logits)."""
     from specheads.inference.bench.divergence import fp32_margin
 
-    monkeypatch.setenv("SPECHEADS_HOME", str(tmp_path / "home"))
+    home(monkeypatch, tmp_path)
     model, tokenizer = load_target("default", dtype="float32")
     conversations = load_conversations("sharegpt", max_conversations=3, skip_conversations=4000)[0]
     answers = {}

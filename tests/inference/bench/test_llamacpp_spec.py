@@ -8,7 +8,6 @@ import json
 import pytest
 
 from specheads.inference.bench.llamacpp_spec import (
-    DEFAULT_DRAFT_MAX,
     LlamaCppOptions,
     is_llamacpp,
     parse_llamacpp,
@@ -28,9 +27,13 @@ def heads(tmp_path):
 def test_every_form_parses(heads, tmp_path):
     assert parse_llamacpp("llamacpp") == LlamaCppOptions()
     assert parse_llamacpp("llamacpp@q4_1") == LlamaCppOptions(precision="q4_1")
-    assert parse_llamacpp(f"llamacpp+peagle:{heads}") == LlamaCppOptions("peagle", str(heads), None, DEFAULT_DRAFT_MAX)
+    measured = parse_llamacpp(f"llamacpp+peagle:{heads}")  # no settings: measured for these files here
+    assert measured == LlamaCppOptions("peagle", str(heads)) and measured.measured
     assert parse_llamacpp(f"llamacpp+peagle:{heads.parent}@bf16+draft_max=1") == LlamaCppOptions(
         "peagle", str(heads.parent), "bf16", 1)  # a run folder: its final/ heads
+    given = parse_llamacpp(f"llamacpp+peagle:{heads}+draft_max=2+p_min=0.6")
+    assert (given.draft_max, given.p_min, given.measured) == (2, 0.6, False)
+    assert parse_llamacpp(f"llamacpp+peagle:{heads}+p_min=0.6+draft_max=2") == given  # in either order
     gguf = tmp_path / "d.gguf"
     gguf.write_bytes(b"")
     assert parse_llamacpp(f"llamacpp+eagle3:{gguf}").heads == str(gguf)  # a file: the kind is the user's word
@@ -42,6 +45,10 @@ def test_every_form_parses(heads, tmp_path):
 @pytest.mark.parametrize(("spec", "message"), [
     ("llamacpp@q5_k", "precision 'q5_k' is not one of f32, bf16, q8_0, q4_1"),
     ("llamacpp+draft_max=2", r"\+draft_max= needs a drafter: llamacpp\+KIND:DIR\+draft_max=2"),
+    ("llamacpp+p_min=0.5", r"\+p_min= needs a drafter: llamacpp\+KIND:DIR\+p_min=0.5"),
+    ("llamacpp+ngram-mod+p_min=0.5", "cuts a drafter model's chain; llama.cpp's ngram-mod has no probabilities"),
+    ("llamacpp+ngram-mod+p_min=1.5", r"\+p_min= is the drafter's probability .* in \[0, 1\]"),
+    ("llamacpp+ngram-mod+draft_max=0", r"\+draft_max= is the most tokens llama.cpp drafts per step, an integer"),
     ("llamacpp+peagle", r"write llamacpp, llamacpp@PRECISION, llamacpp\+KIND:DIR"),
     ("llamacpp+peagle:/no/such/run", "/no/such/run does not exist; pass a training run, a heads folder or a .gguf"),
 ])
@@ -60,6 +67,7 @@ def test_the_kind_must_be_the_heads_own(heads):
 def test_each_drafting_method_names_its_plain_reference():
     assert plain_of("llamacpp+peagle:/gone/run@q4_1+draft_max=1") == "llamacpp@q4_1"
     assert plain_of("llamacpp+eagle3:/gone/run") == "llamacpp"
+    assert plain_of("llamacpp+eagle3:/gone/run@bf16+draft_max=2+p_min=0.5") == "llamacpp@bf16"
     assert plain_of("llamacpp@bf16") is None and plain_of("ar") is None and plain_of("peagle:/x") is None
 
 

@@ -85,7 +85,8 @@ def test_a_run_exports_its_final_heads_and_the_card_reports_the_run(target_dir, 
     saved("eagle3", target, target_path, run / "final")
     (run / "config.yaml").write_text("recipe: eagle3\nmax_steps: 7\ndata: {source: sharegpt, max_conversations: 9}\n")
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
-        {"step": 7, "loss": 1.25}, {"step": 7, "eval/top1_step1": 0.5}, {"step": 7, "eval/measured_tau": 2.25, "eval/measured_chain_tau": 1.5})) + "\n")
+        {"step": 7, "loss": 1.25}, {"step": 7, "eval/top1_step1": 0.5},
+        {"step": 7, "eval/measured_tau": 2.25, "eval/measured_chain_tau": 1.5})) + "\n")
     export(run, "hf", tmp_path / "card")
     card = (tmp_path / "card" / "README.md").read_text()
     assert "| steps | 7 |" in card and "| final loss | 1.25 |" in card and "vllm serve DIR" in card

@@ -96,26 +96,25 @@ def test_the_bench_runs_llamacpp_beside_our_methods(setup, tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [q]}) + "\n"
                                  for i, q in enumerate(QUESTIONS[:2])))
-    out = tmp_path / "bench"
+    out = tmp_path / "bench"  # settings given: nothing measured (tests/specheads/llamacpp/test_draft_settings.py)
     target = str(setup["root"] / "target")
+    drafted_row = f"llamacpp+eagle3:{setup['heads']}+draft_max=3"
     rc = cli_main(["bench", "--target", target, "--questions", str(questions), "--max-new-tokens", "24",
-                   "--methods", f"ar,llamacpp,llamacpp+eagle3:{setup['heads']}", "--output", str(out), "--no-plots",
-                   "--dtype", "float32"])
+                   "--methods", f"ar,llamacpp,{drafted_row}", "--output", str(out), "--no-plots", "--dtype", "float32"])
     assert rc in (0, None)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     by = {(r["method"], r["question_id"]): r for r in rows}
     for q in range(2):
-        plain, drafted = by[("llamacpp", q)], by[(f"llamacpp+eagle3:{setup['heads']}", q)]
+        plain, drafted = by[("llamacpp", q)], by[(drafted_row, q)]
         assert drafted["output_ids"] == plain["output_ids"]  # llama.cpp's own exactness, through the bench
         assert drafted["stats"]["drafted"] > 0 and plain["stats"]["drafted"] == 0
         assert plain["stats"]["new_tokens"] == len(plain["output_ids"]) > 0 and plain["stats"]["wall_s"] > 0
     summary = json.loads((out / "summary.json").read_text())
     methods = [s["method"] for s in summary if s["category"] == "all"]
-    assert methods == ["ar", "llamacpp", f"llamacpp+eagle3:{setup['heads']}"]
+    assert methods == ["ar", "llamacpp", drafted_row]
     summary_md = (out / "summary.md").read_text()
-    assert f"- llamacpp+eagle3:{setup['heads']}: 2/2 outputs equal to llamacpp's" in summary_md
-    assert json.loads((out / "config.json").read_text())["llamacpp_exact"] == {
-        f"llamacpp+eagle3:{setup['heads']}": "2/2"}
+    assert f"- {drafted_row}: 2/2 outputs equal to llamacpp's" in summary_md
+    assert json.loads((out / "config.json").read_text())["llamacpp_exact"] == {drafted_row: "2/2"}
 
 
 @pytest.mark.slow
