@@ -477,8 +477,12 @@ def measure_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequ
 
 
 def drafts_trees(kind: str) -> bool:
-    """Whether the drafter of `kind` decodes trees (so `measure_drafter` can name one, a chain among them)."""
-    return METHODS.get(kind).takes("tree")
+    """Whether the drafter of `kind` decodes the named trees `chainN` is one of (`measure_drafter` can name it);
+    Medusa names its own trees, whose paths are its heads' (its chain is its `chain-4` preset)."""
+    from specheads.inference.methods.tree_options import TREES
+
+    method = METHODS.get(kind)
+    return method.takes("tree") and set(method.trees) == set(TREES)
 
 
 def rollout_drafter(target: PreTrainedModel, kind: str, path: str, prompts: Sequence[Sequence[int]], *,
