@@ -24,6 +24,16 @@ def specheads_home() -> Path:
     return Path.home() / ".cache" / "specheads"
 
 
+def stamp(path: str | Path) -> str:
+    """A file or folder by its path and its files' sizes and times, for cache keys: one saved again is made again;
+    a path that does not exist (a Hub id) by its name."""
+    path = Path(path)
+    if not path.exists():
+        return str(path)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return "\n".join([str(path.resolve()), *(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in files)])
+
+
 def cached_folder(dest: Path, make: Callable[[Path], None], *, marker: str) -> Path:
     """`dest`, made by `make(tmp)` into a temporary folder beside it unless `dest/marker` exists already."""
     if (dest / marker).exists():

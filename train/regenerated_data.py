@@ -32,7 +32,7 @@ import datasets
 from filelock import FileLock
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specheads.cached import specheads_home
+from specheads.cached import specheads_home, stamp
 from specheads.checked import Checked
 from specheads.conversations import sharegpt_path
 from specheads.target import resolve_target, stop_token_ids
@@ -116,8 +116,8 @@ def with_regenerated(conversations: datasets.Dataset, cfg: RegenerateConfig, *, 
 def cache_folder(cfg: RegenerateConfig, *, target: str, source: str, slice_: dict, asked: int,
                  model: PreTrainedModel) -> tuple[Path, dict]:
     """Where the answers to a slice are cached, and the key (what decides them) that names the folder."""
-    key = {"target": _stamp(resolve_target(target)),
-           "source": _stamp(sharegpt_path() if source.strip().lower() == SHAREGPT_SOURCE else source),
+    key = {"target": stamp(resolve_target(target)),
+           "source": stamp(sharegpt_path() if source.strip().lower() == SHAREGPT_SOURCE else source),
            "slice": slice_, "asked": asked, "via": _via_key(cfg.via, model), "max_new_tokens": cfg.max_new_tokens,
            "turns": 1, "temperature": 0.0}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
@@ -171,15 +171,6 @@ def _prompt_fits(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_l
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     text = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, tokenize=False)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + MIN_ANSWER_TOKENS <= max_length
-
-
-def _stamp(path: str | Path) -> str:
-    """A file or folder by its path, sizes and times (so one saved again is answered again); else the name."""
-    path = Path(path)
-    if not path.exists():
-        return str(path)
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    return "\n".join([str(path.resolve()), *(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in files)])
 
 
 def _via_key(via: str, model: PreTrainedModel) -> str:

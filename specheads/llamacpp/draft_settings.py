@@ -30,6 +30,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specheads.cached import stamp
 from specheads.llamacpp.server import LlamaServer
 from specheads.llamacpp.source import VERSION, llamacpp_home
 from specheads.machine import cpu_name, vector_flags
@@ -206,7 +207,7 @@ def calibration_prompts(tokenizer, n: int = 6, max_tokens: int = MAX_PROMPT_TOKE
 def cache_path(target: Path, drafter: str, threads: int | None, version: str = VERSION) -> Path:
     """Where the choice for drafter `drafter` (`drafter_id`) and `target` on this machine is kept: a folder per
     drafter, a file per machine, thread count and target file."""
-    machine = [cpu_name(), vector_flags(), str(threads), _stamp(target)]
+    machine = [cpu_name(), vector_flags(), str(threads), stamp(target)]
     key = hashlib.sha256("\n".join(machine).encode()).hexdigest()[:16]
     return llamacpp_home(version) / "draft-settings" / drafter / f"{target.stem}-{key}.json"
 
@@ -250,8 +251,3 @@ def draft_settings(target: Path, drafts: Mapping[str, Path], prompts: Callable[[
     tmp.replace(path)
     log.info("llama.cpp drafting settings for %s: %s (%s)", target.name, choice.settings.label(), choice.why)
     return choice
-
-
-def _stamp(path: Path) -> str:
-    stat = path.stat()
-    return f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from specheads.cached import cached_folder
+from specheads.cached import cached_folder, stamp
 from specheads.llamacpp.convert import OUTTYPES, convert_hf_to_gguf
 from specheads.llamacpp.source import VERSION, Progress, llamacpp_home
 from specheads.target import DEFAULT_TARGET_ALIASES, default_gguf_path, resolve_target
@@ -34,10 +34,7 @@ def target_gguf(target: str, precision: str, *, version: str = VERSION, on_progr
         raise ValueError(f"target {target!r} is not a local folder; llama.cpp's converter reads local files only, "
                          "so download the model first and pass its folder")
     # the folder and its files' sizes and times: a model saved again over the same folder converts again
-    files = sorted(p for p in Path(folder).resolve().iterdir() if p.is_file())
-    stamp = "\n".join([str(Path(folder).resolve()), *(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}"
-                                                     for p in files)])
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:10]
+    key = hashlib.sha256(stamp(Path(folder).resolve()).encode()).hexdigest()[:10]
     name = f"{Path(folder).name}-{key}-{precision}"
     dest = cached_folder(llamacpp_home(version) / "targets" / name,
                          lambda tmp: convert_hf_to_gguf(folder, tmp / "model.gguf", outtype=precision,
