@@ -68,7 +68,7 @@ def unroll(head: torch.nn.Module, tokens: torch.Tensor, feats: torch.Tensor, pos
     return outs
 
 
-def _valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction counts and its chain start too
+def step_valid(counts: torch.Tensor, k: int) -> torch.Tensor:  # [B, W]: prediction counts and its chain start too
     valid = counts.clone()
     valid[:, :k] = False
     valid[:, k:] &= counts[:, : counts.shape[1] - k]
@@ -97,7 +97,7 @@ def chain_loss(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
         target_logits = target_draft_logits(target, wanted, model.draft_ids)  # [M0, Vd]
     total, stats, norm = 0.0, {}, 0.0
     for k, pred in enumerate(outs):
-        valid = _valid(counts, k)
+        valid = step_valid(counts, k)
         keep = valid[counts]  # [M0]: which of the counted positions step k predicts
         step_target = target_logits[keep]  # [M, Vd]
         got = pred[valid]  # [M, H]
@@ -129,20 +129,29 @@ def chain_eval(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, 
     positions [steps], accepted (sum of leading correct steps per start position), starts.
     """
     features = batch_features(target, batch, head.config.aux_layers)  # [B, T, D]
-    tokens, feats, positions, counts = chain_inputs(batch, features)
+    tokens, feats, positions, _ = chain_inputs(batch, features)
+    outs = unroll(head, tokens, feats, positions, min(steps, tokens.shape[1]))
+    return chain_sums(head, target, batch, features, outs, steps, topk)
+
+
+def chain_sums(head: torch.nn.Module, target: torch.nn.Module, batch: dict[str, torch.Tensor], features: torch.Tensor,
+               outs: list[torch.Tensor], steps: int = EVAL_STEPS, topk: int = EVAL_TOPK) -> dict[str, torch.Tensor]:
+    """`chain_eval`'s sums for a chain's step outputs `outs` (each [B, W, H], step k at index i drafting from the
+    chain started at i - k), on the target's `features` of the batch."""
+    tokens, _, _, counts = chain_inputs(batch, features)
     # every batch returns `depth` steps, so sums add up; a batch narrower than that scores only the steps it fits
-    depth, steps = steps, min(steps, tokens.shape[1])
+    depth = steps
     last = last_layer(features, head.config.hidden_size)  # [B, T, H]
     target_next = target.get_output_embeddings()(last[:, 1:]).argmax(-1)  # [B, W]: target's choice after position i+1
     top1, topk_hits, totals = torch.zeros(depth), torch.zeros(depth), torch.zeros(depth)
     width = tokens.shape[1]
     hits = torch.zeros(depth, *counts.shape, dtype=torch.bool)  # [depth, B, W] step k hit, by chain start
     scored = []
-    for k, pred in enumerate(unroll(head, tokens, feats, positions, steps)):
+    for k, pred in enumerate(outs):
         ranked = head.token_ids(head.draft_logits(pred).topk(topk, dim=-1).indices)  # [B, W, topk] token ids
         hit = ranked[..., 0] == target_next
         hitk = (ranked == target_next[..., None]).any(-1)
-        valid = _valid(counts, k)
+        valid = step_valid(counts, k)
         top1[k], topk_hits[k], totals[k] = (hit & valid).sum(), (hitk & valid).sum(), valid.sum()
         hits[k, :, : width - k] = (hit & valid)[:, k:]  # re-indexed by chain start i - k
         scored.append(token_hits(target_next, hit, k, depth, keep=valid))

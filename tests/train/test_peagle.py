@@ -7,16 +7,20 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from specheads.heads.fused_head import default_mask_token
 from specheads.heads.peagle import PEagleConfig, PEagleHead
+from specheads.train.chain_loss import unroll
 from specheads.train.peagle import (
     PEagleHeadsConfig,
+    ar_unroll,
     block_eval,
     block_forward,
     block_mask,
     build_peagle,
     cod_anchors,
+    peagle_eval_row,
     peagle_step_loss,
 )
 from tests.conftest import tiny_model
@@ -92,6 +96,53 @@ def test_eval_counts_every_anchor_at_every_depth(target, head):
     assert 0 <= float(sums["accepted"][0]) <= 4 * float(sums["starts"][0])
 
 
+@torch.no_grad()
+def test_the_chain_mode_after_a_block_is_eagle3s_unroll(head):
+    """The unrolled steps see the block's depth-0 keys and never its mask entries: exactly EAGLE-3's training-time
+    test (tested against inference in test_eagle), whatever entries the block sampled."""
+    tokens = torch.randint(3, 90, (2, 12))
+    feats = torch.randn(2, 12, head.feature_width)
+    positions = torch.arange(12).expand(2, -1)
+    anchors = cod_anchors(12, 4, ratio=0.6, floor=0.3, generator=torch.Generator().manual_seed(5))
+    cache = DynamicCache()
+    out, anchor, _ = block_forward(head, head, tokens, feats, anchors, cache)
+    chain = ar_unroll(head, tokens, out[:, :12], anchor.numel(), cache, steps=3)
+    reference = unroll(head, tokens, feats, positions, steps=3)
+    torch.testing.assert_close(out[:, :12], reference[0], rtol=1e-4, atol=1e-5)
+    for got, want in zip(chain, reference[1:], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_chain_mode_term_adds_its_steps_to_the_loss(target, head):
+    tokens = torch.randint(3, 96, (2, 16))
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
+    torch.manual_seed(0)
+    block, _ = peagle_step_loss(head, target, batch, PEagleHeadsConfig(num_depths=4))
+    torch.manual_seed(0)
+    off, _ = peagle_step_loss(head, target, batch, PEagleHeadsConfig(num_depths=4, ar_steps=3, ar_weight=0.0))
+    torch.testing.assert_close(off, block)  # weight 0: the block's loss alone
+    torch.manual_seed(0)
+    loss, stats = peagle_step_loss(head, target, batch, PEagleHeadsConfig(num_depths=4, ar_steps=3))
+    assert {"top1_ar2", "top1_ar3", "loss_ce_ar2", "loss_ce_ar3"} <= stats.keys()
+    # the mean of the block's loss and its two steps'
+    want = (block + stats["loss_ce_ar2"] + stats["loss_ce_ar3"]) / 3
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    head.zero_grad()
+    loss.backward()
+    assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
+
+
+def test_eval_reports_the_chain_mode_beside_the_block(target, head):
+    tokens = torch.randint(3, 96, (2, 10))
+    batch = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens)}
+    sums = block_eval(head.eval(), target, batch)
+    assert float(sums["ar_correct_top1"][0]) == float(sums["correct_top1"][0])  # step 0 is the block's depth 0
+    assert sums["ar_positions"].tolist() == sums["positions"].tolist()
+    row, _ = peagle_eval_row(sums)
+    assert row["eval/top1_ar_step1"] == row["eval/top1_step1"]
+    assert 1.0 <= row["eval/simulated_tau_ar_chain"] <= 5.0 and "eval/simulated_tau_chain" in row
+
+
 def test_bad_block_settings_are_refused_by_name(target):
     vocab = target.get_output_embeddings().weight.shape[0]
     base = {"hidden_size": 64, "vocab_size": vocab, "aux_layers": (1, 2, 3)}
@@ -105,4 +156,6 @@ def test_bad_block_settings_are_refused_by_name(target):
         PEagleHeadsConfig(num_depths=0)
     with pytest.raises(ValueError, match="down_sample_ratio"):
         PEagleHeadsConfig(down_sample_ratio=0.0)
+    with pytest.raises(ValueError, match="heads.ar_steps must be >= 1"):
+        PEagleHeadsConfig(ar_steps=0)
     assert 0 <= default_mask_token(target) < vocab

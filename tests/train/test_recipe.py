@@ -134,8 +134,10 @@ def train_block_drafter(tiny_run_inputs, out: Path, kind: str, *settings: str) -
 
 
 def test_peagle_recipe_lowers_the_loss_reports_every_depth_and_decodes_exactly(tiny_run_inputs, tmp_path):
-    rows = train_block_drafter(tiny_run_inputs, tmp_path / "pe", "peagle", "heads.num_depths=3")
+    rows = train_block_drafter(tiny_run_inputs, tmp_path / "pe", "peagle", "heads.num_depths=3", "heads.ar_steps=2")
     assert any("top1_depth2" in r for r in rows)  # the deepest position trains
+    assert any("top1_ar2" in r for r in rows)  # and the chain mode's unrolled step, reported with its chain τ
+    assert 1.0 <= [r for r in rows if "eval/simulated_tau_ar_chain" in r][-1]["eval/simulated_tau_ar_chain"] <= 4.0
 
 
 def test_dflash_recipe_lowers_the_loss_reports_every_slot_and_decodes_exactly(tiny_run_inputs, tmp_path):
