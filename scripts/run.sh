@@ -105,17 +105,24 @@ fi
 train_s=$((SECONDS - start))
 
 heads="$run/peagle/final"
-llamacpp="llamacpp,llamacpp+peagle:$heads+draft_max=1,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
+llamacpp="llamacpp,llamacpp+peagle:$heads+measure=quick,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+measure=quick"
 methods="hf,ar,ngram,peagle:$heads"
 if [[ "$machine" == gpu ]]; then  # where its compilation pays for itself (above)
     methods="hf,hf-static,ar,ngram,peagle:$heads"
 fi
 if [[ "$machine" == fp32 ]]; then  # the slowest row left out (above)
-    llamacpp="llamacpp,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+draft_max=1"
+    llamacpp="llamacpp,llamacpp@q4_1,llamacpp+peagle:$heads@q4_1+measure=quick"
 fi
 if [[ "${LLAMACPP:-1}" == 1 ]]; then
-    # llama.cpp on the same weights at the run's precision, plain and drafting with the same heads (one token: what
-    # it can draft with P-EAGLE heads, docs/llamacpp.md), and on the default target's shipped Q4_1 file; and our
+    # llama.cpp on the same weights at the run's precision, plain and drafting with the same heads, and on the
+    # default target's shipped Q4_1 file. Its drafting settings are measured for the heads first (`+measure=quick`:
+    # three settings on the Q8_0 drafter, about a minute a row; llama.cpp's `--spec-draft-n-max`/`-p-min`), and the
+    # row drafts nothing where nothing paid: with these heads the fixed one-token setting ran 0.63-0.80x llama.cpp
+    # plain (docs/results.md, "llama.cpp's drafting settings chosen by measurement" and the entry above it). The
+    # heads are P-EAGLE's for llama.cpp too: llama.cpp drafts their EAGLE-3 chain, where EAGLE-3 heads trained in
+    # the same 9 minutes accepted about as much (τ 1.29 against 1.27 for a chain of 3, within three seeds' spread)
+    # and training P-EAGLE for that mode too (heads.ar_steps) cost a quarter of its steps and lowered both
+    # (docs/results.md, "drafters for chain engines"); and our
     # engine on llama.cpp's kernels (--backend llamacpp) with the heads and the two training-free drafters: on a
     # 2-core AVX2 CPU these were the fastest exact methods, suffix decoding 1.12x and n-gram 1.05x llama.cpp plain on
     # HumanEval, the heads 0.87x (docs/results.md, "the engine on llama.cpp's kernels")
@@ -129,7 +136,7 @@ if [[ -n "${LIMIT:-}" ]]; then
 else
     subset=(--per-category "${PER_CATEGORY:-3}")  # MT-bench: 3 of each of its 8 categories
 fi
-bench_minutes=${BENCH_MINUTES:-$(phase_minutes 1 8 4 2)}  # 0: no time budget
+bench_minutes=${BENCH_MINUTES:-$(phase_minutes 1 8 4 3)}  # 0: no time budget; 3 reserved: the settings measured
 if [[ "$bench_minutes" != 0 ]]; then
     subset+=(--max-minutes "$bench_minutes")
 fi

@@ -11,6 +11,7 @@ commits one token more than it accepts, so steps = tokens - accepted (the prefil
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ class LlamaCppRunner:
     measures_tau = True
 
     def __init__(self, options: LlamaCppOptions, target: str, dtype: torch.dtype, threads: int | None = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, on_progress: Callable[[str], None] | None = None) -> None:
         from specheads.llamacpp.server import LlamaServer
         from specheads.llamacpp.target_gguf import target_gguf
 
@@ -48,7 +49,7 @@ class LlamaCppRunner:
         if options.heads is not None:
             drafts = self._draft_ggufs(options, target)
             if options.measured:
-                draft_max, p_min, draft = self._measured(model, drafts, threads, cache_type, tokenizer)
+                draft_max, p_min, draft = self._measured(model, drafts, threads, cache_type, tokenizer, on_progress)
             else:
                 draft = drafts[self._draft_precision()]
         spec_type = options.kind  # llama.cpp's own drafting, or none
@@ -70,31 +71,32 @@ class LlamaCppRunner:
         """The drafter as GGUF by precision: a .gguf file as is (its precision taken for any); heads exported at
         the precision used (`_draft_precision`), or, where the settings are measured, at every one measured."""
         from specheads.formats.export import export
-        from specheads.llamacpp.draft_settings import DRAFT_PRECISIONS
+        from specheads.llamacpp.draft_settings import MEASUREMENTS
 
         path = Path(str(options.heads))
         if path.suffix == ".gguf":
             return {"f32": path, self._draft_precision(): path}
         drafts = {}
-        for precision in DRAFT_PRECISIONS if options.measured else (self._draft_precision(),):
+        for precision in MEASUREMENTS[options.measure].precisions if options.measured else (self._draft_precision(),):
             done = export(path, "gguf", Path(self._scratch.name) / f"draft-{precision}", target=target,
                           precision=precision)
             drafts[precision] = done.folder / next(f for f in done.files if f.endswith(".gguf"))
         return drafts
 
     def _measured(self, model: Path, drafts: dict[str, Path], threads: int, cache_type: str | None,
-                  tokenizer: Any) -> tuple[int, float, Path | None]:
-        """The settings measured fastest for these files on this machine (cached; measured now where not yet)."""
+                  tokenizer: Any, on_progress: Callable[[str], None] | None) -> tuple[int, float, Path | None]:
+        """The settings measured fastest for these files on this machine (cached; measured now where not yet, each
+        prompt's start told to `on_progress`)."""
         from specheads.llamacpp.draft_settings import calibration_prompts, draft_settings, drafter_id
 
         if tokenizer is None:
             raise ValueError("measuring llama.cpp's drafting settings needs the target's tokenizer (calibration "
                              "prompts); pass +draft_max=N to give them")
-        choice = draft_settings(model, drafts, lambda: calibration_prompts(tokenizer),
+        choice = draft_settings(model, drafts, lambda n: calibration_prompts(tokenizer, n=n),
                                 drafter=drafter_id(Path(str(self.options.heads))), threads=threads,
-                                cache_type=cache_type)
+                                cache_type=cache_type, measurement=self.options.measure, on_progress=on_progress)
         s = choice.settings
-        self.settings_text = f"{s.label()} ({choice.why}; measured {choice.measured})"
+        self.settings_text = f"{s.label()} ({choice.why}; {choice.measurement} measurement, {choice.measured})"
         return s.n_max, s.p_min, drafts[s.precision] if s.n_max else None
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, sampling: SamplingParams,

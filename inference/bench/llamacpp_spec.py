@@ -8,6 +8,7 @@
     llamacpp+eagle3:DIR+draft_max=5   llama.cpp's --spec-draft-n-max; +p_min=0.6 its --spec-draft-p-min (without
                                    either: the settings measured fastest for these files on this machine, cached;
                                    `specheads.llamacpp.draft_settings`)
+    llamacpp+peagle:DIR+measure=quick   measured with a smaller grid (`MEASUREMENTS`; default full)
     llamacpp+ngram-mod             llama.cpp's own training-free drafting (`TRAINING_FREE`: ngram-simple, ngram-mod,
                                    ngram-map-k, ngram-map-k4v, ngram-cache), at any precision, with +draft_max=N
 """
@@ -19,12 +20,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from specheads.llamacpp.draft_settings import MEASUREMENTS
+
 METHOD = "llamacpp"
 PRECISIONS = ("f32", "bf16", "q8_0", "q4_1")
 DEFAULT_DRAFT_MAX = 3  # llama.cpp's own default --spec-draft-n-max
 # llama.cpp's own drafters that need no model (its --spec-type values): what a llama.cpp user tries first
 TRAINING_FREE = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
-_SETTING = re.compile(r"\+(draft_max|p_min)=([0-9.]+)$")
+_SETTING = re.compile(r"\+(draft_max|p_min|measure)=([a-z0-9.]+)$")
 _PRECISION = re.compile(r"@([a-z0-9_]+)$")
 # an engine method on llama.cpp's kernels (`+backend=llamacpp`, method_spec.py) and its target GGUF's precision
 _ON_LLAMACPP = re.compile(r"\+backend=llamacpp(?=\+|$)")
@@ -40,6 +43,7 @@ class LlamaCppOptions:
     # not given is llama.cpp's default (3 tokens; 0: no cut)
     draft_max: int | None = None
     p_min: float | None = None
+    measure: str = "full"  # how much a measurement measures (`specheads.llamacpp.draft_settings.MEASUREMENTS`)
 
     @property
     def measured(self) -> bool:
@@ -52,7 +56,7 @@ def is_llamacpp(name: str) -> bool:
 
 
 def parse_llamacpp(name: str) -> LlamaCppOptions:
-    """`llamacpp[+KIND:DIR][@PRECISION][+draft_max=N][+p_min=P]`, checked before anything loads."""
+    """`llamacpp[+KIND:DIR][@PRECISION][+draft_max=N][+p_min=P][+measure=M]`, checked before anything loads."""
     rest = name[len(METHOD):]
     settings: dict[str, str] = {}
     while m := _SETTING.search(rest):
@@ -71,6 +75,13 @@ def parse_llamacpp(name: str) -> LlamaCppOptions:
         if not 0.0 <= p_min <= 1.0:
             raise ValueError(f"{name}: +p_min= is the drafter's probability below which llama.cpp stops a chain, "
                              "in [0, 1]")
+    measure = settings.get("measure", "full")
+    if measure not in MEASUREMENTS:
+        raise ValueError(f"{name}: +measure= is how much llama.cpp's drafting settings are measured: one of "
+                         f"{', '.join(MEASUREMENTS)}")
+    if "measure" in settings and (draft_max is not None or p_min is not None):
+        raise ValueError(f"{name}: +measure= measures the drafting settings, +draft_max=/+p_min= give them; "
+                         "write one or the other")
     precision = None
     if m := _PRECISION.search(rest):
         precision, rest = m[1], rest[: m.start()]
@@ -85,6 +96,9 @@ def parse_llamacpp(name: str) -> LlamaCppOptions:
     if rest.startswith("+") and kind in TRAINING_FREE and not heads:
         if p_min is not None:
             raise ValueError(f"{name}: +p_min= cuts a drafter model's chain; llama.cpp's {kind} has no probabilities")
+        if "measure" in settings:
+            raise ValueError(f"{name}: +measure= measures a drafter model's settings; give llama.cpp's {kind} "
+                             "+draft_max=N")
         return LlamaCppOptions(kind=kind, precision=precision, draft_max=draft_max)
     if not rest.startswith("+") or not kind or not heads:
         raise ValueError(f"{name}: write {METHOD}, {METHOD}@PRECISION, "
@@ -97,7 +111,8 @@ def parse_llamacpp(name: str) -> LlamaCppOptions:
     saved = _saved_kind(Path(heads))
     if saved is not None and saved != kind:
         raise ValueError(f"{name}: {heads} holds {saved} heads, not {kind}; write {METHOD}+{saved}:{heads}")
-    return LlamaCppOptions(kind=kind, heads=heads, precision=precision, draft_max=draft_max, p_min=p_min)
+    return LlamaCppOptions(kind=kind, heads=heads, precision=precision, draft_max=draft_max, p_min=p_min,
+                           measure=measure)
 
 
 def _saved_kind(path: Path) -> str | None:

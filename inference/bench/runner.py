@@ -182,18 +182,20 @@ class _HFStaticGenerate(_HFGenerate):
 
 def build_runners(target: PreTrainedModel, specs: list[MethodSpec], load_draft: DraftLoader,
                   diagnose: bool = False, step: str = "auto", compile: bool = False,
-                  tokenizer: Any = None, target_name: str | None = None) -> dict[str, Runner]:
+                  tokenizer: Any = None, target_name: str | None = None,
+                  on_progress: Callable[[str], None] | None = None) -> dict[str, Runner]:
     """One runner per spec, in order; loads draft models and heads, so a mismatched checkpoint fails here. With
     `diagnose`, every engine method records its steps' first rejections (`diagnosis.RejectionLog`, its `log`).
     Every engine method runs the target forward `step` and `compile` set (`Engine`'s arguments); a method's own
     `+compile=` suffix overrides `compile`. A `+structured=1` method decodes under each question's response_format,
     through `tokenizer` (which it needs). A llama.cpp method starts its server here, on `target_name`'s GGUF (the
-    name the target was loaded by: `default` for the default target); `close_runners` stops it."""
+    name the target was loaded by: `default` for the default target); `close_runners` stops it. Where a llama.cpp
+    method measures its drafting settings first (minutes), `on_progress` is told how far it is."""
     runners: dict[str, Runner] = {}
     try:
         for spec in specs:
             runners[spec.name] = _build_runner(target, spec, load_draft, diagnose, step, compile, tokenizer,
-                                               target_name)
+                                               target_name, on_progress)
     except BaseException:
         close_runners(runners)
         raise
@@ -208,12 +210,13 @@ def close_runners(runners: dict[str, Runner]) -> None:
 
 
 def _build_runner(target: PreTrainedModel, spec: MethodSpec, load_draft: DraftLoader, diagnose: bool, step: str,
-                  compile: bool, tokenizer: Any, target_name: str | None) -> Runner:
+                  compile: bool, tokenizer: Any, target_name: str | None,
+                  on_progress: Callable[[str], None] | None = None) -> Runner:
     if spec.method == LLAMACPP:
         from specheads.inference.bench.llamacpp import LlamaCppRunner
 
         return LlamaCppRunner(spec.options, target_name or target.config.name_or_path, target.dtype,
-                              tokenizer=tokenizer)
+                              tokenizer=tokenizer, on_progress=on_progress)
     if spec.method == "hf":
         return _HFGenerate(target)
     if spec.method == "hf-static":

@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "hf-pld[:N] its prompt lookup); and llama.cpp on the same weights: llamacpp[@PRECISION] "
                         "(f32, bf16, q8_0, q4_1; default: the run's dtype), llamacpp+KIND:DIR[@PRECISION]"
                         "[+draft_max=N][+p_min=P] with heads exported to GGUF (without settings: those measured "
-                        "fastest here, cached), and llamacpp+MODE[@PRECISION][+draft_max=N] with "
+                        "fastest here, cached; +measure=quick: a smaller grid), and "
+                        "llamacpp+MODE[@PRECISION][+draft_max=N] with "
                         "llama.cpp's own drafting (ngram-simple, ngram-mod, ngram-map-k, ngram-map-k4v, ngram-cache); "
                         "any engine method takes +backend=llamacpp[+gguf=PRECISION] to run on llama.cpp's kernels "
                         "(docs/llamacpp.md). Default: ar,hf,ngram")
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> None:
     # 2. Models, proposers and heads (a checkpoint for another target fails here, as one line).
     model, tokenizer = shared.load_model(args)
     runners = build_runners(model, specs, shared.draft_loader(model, tokenizer, args), diagnose=args.diagnose,
-                            step=args.step, compile=args.compile, tokenizer=tokenizer, target_name=args.target)
+                            step=args.step, compile=args.compile, tokenizer=tokenizer, target_name=args.target,
+                            on_progress=lambda text: print(text, file=sys.stderr, flush=True))
     config["machine"] = bench_run.machine(model)
     # llama.cpp rows whose drafting settings were measured: what was chosen, and why
     config["llamacpp_settings"] = {name: text for name, r in runners.items() if (text := getattr(r, "settings_text",

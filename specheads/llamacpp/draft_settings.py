@@ -7,15 +7,18 @@ a verify of n+1 tokens costs against a one-token step on this target file, and t
 measured, as the engine's node budget is:
 
 1. one `llama-server` per candidate, all started at once on the same files (weights are mapped, so shared): plain
-   decoding; the F32 drafter at every (n_max, p_min) of `GRID`; then the best of those with each other drafter
-   precision given;
+   decoding; the first drafter precision given (F32 in a full measurement) at every (n_max, p_min) of the grid
+   (`GRID`); then the best of those with each other drafter precision given;
 2. every calibration prompt asked of every server in turn, for `rounds` rounds (interleaved: a busy moment on the
    machine hits every candidate alike);
 3. a candidate's speed is the median over prompts of its tok/s over plain's on the same prompt; the fastest wins if
    it is at least `MIN_GAIN` above plain, else the choice is to draft nothing, and the choice says why.
 
-A choice is cached per llama.cpp release, machine, thread count, target file and drafter files under
-`$SPECHEADS_HOME/llamacpp/VERSION/draft-settings/`, measured once and read after. Nothing here prints.
+How much is measured is a `Measurement`: "full" (the grid on F32, then BF16 and Q8_0; 6 prompts, 2 rounds) or
+"quick" (three settings on the Q8_0 drafter, 4 prompts, 1 round: about a twelfth of full's tokens, for a job with a
+budget). A choice is cached per llama.cpp release, machine, thread count, target file, drafter files and
+measurement under `$SPECHEADS_HOME/llamacpp/VERSION/draft-settings/`, measured once and read after; a quick request
+takes a full choice where one is cached. Nothing here prints.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specheads.cached import stamp
@@ -45,6 +48,27 @@ MAX_PROMPT_TOKENS = CTX // 2
 CALIBRATION_SKIP = 15000  # bundled ShareGPT conversations passed over: past the slices recipes train on
 SPEC_TYPE = "draft-eagle3"
 DRAFT_PRECISIONS = ("f32", "bf16", "q8_0")  # the drafter files measured (f32 first: the grid runs on it)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """How much a choice measures: `grid` (n_max, p_min) on the first of `precisions`, the grid's best again with
+    each other one, every candidate and plain asked `prompts` calibration prompts for `rounds` rounds of
+    `max_new_tokens` tokens."""
+
+    grid: tuple[tuple[int, float], ...]
+    precisions: tuple[str, ...]
+    prompts: int = 6
+    rounds: int = 2
+    max_new_tokens: int = 64
+
+
+MEASUREMENTS: dict[str, Measurement] = {
+    "full": Measurement(GRID, DRAFT_PRECISIONS),
+    # for a budget (the main job): around what full measurement chose for P-EAGLE heads on a 2-core CPU (a cut at
+    # 0.5 and the Q8_0 drafter the fastest, docs/results.md), one and two tokens cut at 0.5 and three cut at 0.8
+    "quick": Measurement(((1, 0.5), (2, 0.5), (3, 0.8)), ("q8_0",), prompts=4, rounds=1, max_new_tokens=48),
+}
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,7 @@ class DraftChoice:
     machine: str = ""
     target: str = ""  # the target file's name
     measured: str = ""  # when, ISO time
+    measurement: str = "full"  # how much was measured (`MEASUREMENTS`)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -89,7 +114,8 @@ class DraftChoice:
         tried = tuple(Tried(DraftSettings(**t["settings"]), t["speedup"], t["tau"], t["acceptance"])
                       for t in data.get("tried", ()))
         return DraftChoice(DraftSettings(**data["settings"]), data["speedup"], data["why"], tried,
-                           data.get("machine", ""), data.get("target", ""), data.get("measured", ""))
+                           data.get("machine", ""), data.get("target", ""), data.get("measured", ""),
+                           data.get("measurement", "full"))
 
 
 def choose(tried: Sequence[Tried], min_gain: float = MIN_GAIN) -> tuple[DraftSettings, float, str]:
@@ -111,18 +137,18 @@ def measure_draft_settings(target: Path, drafts: Mapping[str, Path], prompts: Se
                            binary: Path | None = None,
                            on_progress: Callable[[str], None] | None = None) -> DraftChoice:
     """Measure the candidates (module doc) on `prompts` (token ids, greedy) and choose. `drafts` maps a drafter
-    precision to its GGUF file; "f32" must be among them (the grid runs on it)."""
-    if "f32" not in drafts:
-        raise ValueError(f"the F32 drafter is measured first; drafts has {', '.join(drafts) or 'none'}")
+    precision to its GGUF file, the first one the grid runs on."""
+    if not drafts:
+        raise ValueError("no drafter file to measure")
     if not prompts:
         raise ValueError("no calibration prompts")
-    candidates = [DraftSettings(n, p, "f32") for n, p in (GRID if grid is None else grid)]
+    first, *others = drafts
+    candidates = [DraftSettings(n, p, first) for n, p in (GRID if grid is None else grid)]
     tried = _measure(target, drafts, candidates, prompts, max_new_tokens=max_new_tokens, rounds=rounds,
                      threads=threads, cache_type=cache_type, binary=binary, on_progress=on_progress)
-    others = [p for p in drafts if p != "f32"]
     if others:  # the grid's best with each other precision
         best = max(tried, key=lambda t: t.speedup).settings
-        again = [DraftSettings(best.n_max, best.p_min, p) for p in ("f32", *others)]
+        again = [DraftSettings(best.n_max, best.p_min, p) for p in (first, *others)]
         tried = [t for t in tried if t.settings != best] + _measure(
             target, drafts, again, prompts, max_new_tokens=max_new_tokens, rounds=rounds, threads=threads,
             cache_type=cache_type, binary=binary, on_progress=on_progress)
@@ -151,9 +177,11 @@ def _measure(target: Path, drafts: Mapping[str, Path], candidates: Sequence[Draf
             target, draft=drafts[s.precision], spec_type=SPEC_TYPE, draft_max=s.n_max, p_min=s.p_min,
             threads=threads, cache_type=cache_type, ctx_size=CTX, binary=binary)) for s in candidates]
         for r in range(rounds):
-            if on_progress:
-                on_progress(f"llama.cpp drafting settings: round {r + 1} of {rounds}, {len(candidates)} settings")
             for k, prompt in enumerate(prompts):
+                if on_progress:
+                    n = len(candidates)
+                    on_progress(f"llama.cpp drafting settings: {n} setting{'s' * (n != 1)} and plain, round {r + 1} "
+                                f"of {rounds}, prompt {k + 1} of {len(prompts)}")
                 for i, server in [(-1, plain), *enumerate(servers)]:
                     done = server.complete(prompt, max_new_tokens=max_new_tokens)
                     rate[i][k].append(len(done.tokens) / max(done.wall_s, 1e-9))
@@ -204,12 +232,14 @@ def calibration_prompts(tokenizer, n: int = 6, max_tokens: int = MAX_PROMPT_TOKE
     return prompts
 
 
-def cache_path(target: Path, drafter: str, threads: int | None, version: str = VERSION) -> Path:
+def cache_path(target: Path, drafter: str, threads: int | None, version: str = VERSION,
+               measurement: str = "full") -> Path:
     """Where the choice for drafter `drafter` (`drafter_id`) and `target` on this machine is kept: a folder per
-    drafter, a file per machine, thread count and target file."""
+    drafter, a file per machine, thread count, target file and measurement (full's without a suffix)."""
     machine = [cpu_name(), vector_flags(), str(threads), stamp(target)]
     key = hashlib.sha256("\n".join(machine).encode()).hexdigest()[:16]
-    return llamacpp_home(version) / "draft-settings" / drafter / f"{target.stem}-{key}.json"
+    suffix = "" if measurement == "full" else f"-{measurement}"
+    return llamacpp_home(version) / "draft-settings" / drafter / f"{target.stem}-{key}{suffix}.json"
 
 
 def drafter_id(path: Path) -> str:
@@ -236,15 +266,29 @@ def cached_choices(drafter: str, version: str = VERSION) -> list[DraftChoice]:
     return [DraftChoice.from_json(json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
 
 
-def draft_settings(target: Path, drafts: Mapping[str, Path], prompts: Callable[[], Sequence[list[int]]], *,
+def draft_settings(target: Path, drafts: Mapping[str, Path], prompts: Callable[[int], Sequence[list[int]]], *,
                    drafter: str, threads: int | None = None, cache_type: str | None = None, remeasure: bool = False,
-                   **measure) -> DraftChoice:
-    """The cached choice for drafter `drafter` (`drafter_id`; its files by precision `drafts`) and `target` on this
-    machine, measured first where there is none (`prompts` is called only then)."""
-    path = cache_path(target, drafter, threads)
-    if path.is_file() and not remeasure:
-        return DraftChoice.from_json(json.loads(path.read_text()))
-    choice = measure_draft_settings(target, drafts, prompts(), threads=threads, cache_type=cache_type, **measure)
+                   measurement: str = "full", **measure) -> DraftChoice:
+    """The cached choice for drafter `drafter` (`drafter_id`; its files by precision `drafts`, those the measurement
+    names among them) and `target` on this machine, measured first where there is none: `prompts(n)` is called only
+    then, for the measurement's n calibration prompts. `measure` overrides the measurement's grid, rounds or tokens.
+    A quick measurement takes a full one's choice where one is cached."""
+    if measurement not in MEASUREMENTS:
+        raise ValueError(f"measurement {measurement!r} is not one of {', '.join(MEASUREMENTS)}")
+    path = cache_path(target, drafter, threads, measurement=measurement)
+    if not remeasure:
+        for cached in dict.fromkeys([cache_path(target, drafter, threads), path]):  # full's first
+            if cached.is_file():
+                return DraftChoice.from_json(json.loads(cached.read_text()))
+    plan = MEASUREMENTS[measurement]
+    files = {p: drafts[p] for p in plan.precisions if p in drafts}
+    if not files:
+        raise ValueError(f"the {measurement} measurement runs the drafter at {', '.join(plan.precisions)}; "
+                         f"drafts has {', '.join(drafts) or 'none'}")
+    measure = {"grid": plan.grid, "rounds": plan.rounds, "max_new_tokens": plan.max_new_tokens} | measure
+    choice = measure_draft_settings(target, files, prompts(plan.prompts), threads=threads, cache_type=cache_type,
+                                    **measure)
+    choice = replace(choice, measurement=measurement)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(choice.to_json(), indent=1))

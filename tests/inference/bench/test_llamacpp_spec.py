@@ -34,6 +34,8 @@ def test_every_form_parses(heads, tmp_path):
     given = parse_llamacpp(f"llamacpp+peagle:{heads}+draft_max=2+p_min=0.6")
     assert (given.draft_max, given.p_min, given.measured) == (2, 0.6, False)
     assert parse_llamacpp(f"llamacpp+peagle:{heads}+p_min=0.6+draft_max=2") == given  # in either order
+    quick = parse_llamacpp(f"llamacpp+peagle:{heads}@q4_1+measure=quick")  # measured, with the smaller plan
+    assert (quick.measure, quick.measured, quick.precision) == ("quick", True, "q4_1") and measured.measure == "full"
     gguf = tmp_path / "d.gguf"
     gguf.write_bytes(b"")
     assert parse_llamacpp(f"llamacpp+eagle3:{gguf}").heads == str(gguf)  # a file: the kind is the user's word
@@ -50,11 +52,21 @@ def test_every_form_parses(heads, tmp_path):
     ("llamacpp+ngram-mod+p_min=1.5", r"\+p_min= is the drafter's probability .* in \[0, 1\]"),
     ("llamacpp+ngram-mod+draft_max=0", r"\+draft_max= is the most tokens llama.cpp drafts per step, an integer"),
     ("llamacpp+peagle", r"write llamacpp, llamacpp@PRECISION, llamacpp\+KIND:DIR"),
+    ("llamacpp+ngram-mod+measure=quick", r"measures a drafter model.s settings; give llama.cpp.s ngram-mod"),
     ("llamacpp+peagle:/no/such/run", "/no/such/run does not exist; pass a training run, a heads folder or a .gguf"),
 ])
 def test_mistakes_are_named(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_llamacpp(spec)
+
+
+def test_a_measurement_is_one_of_the_plans_and_never_beside_given_settings(heads):
+    with pytest.raises(ValueError, match=r"\+measure= is how much .* one of full, quick"):
+        parse_llamacpp(f"llamacpp+peagle:{heads}+measure=slow")
+    with pytest.raises(ValueError, match=r"\+measure= measures the drafting settings, \+draft_max=/\+p_min= give"):
+        parse_llamacpp(f"llamacpp+peagle:{heads}+draft_max=2+measure=quick")
+    with pytest.raises(ValueError, match=r"\+draft_max= is the most tokens"):
+        parse_llamacpp(f"llamacpp+peagle:{heads}+draft_max=two")
 
 
 def test_the_kind_must_be_the_heads_own(heads):
@@ -68,6 +80,7 @@ def test_each_drafting_method_names_its_plain_reference():
     assert plain_of("llamacpp+peagle:/gone/run@q4_1+draft_max=1") == "llamacpp@q4_1"
     assert plain_of("llamacpp+eagle3:/gone/run") == "llamacpp"
     assert plain_of("llamacpp+eagle3:/gone/run@bf16+draft_max=2+p_min=0.5") == "llamacpp@bf16"
+    assert plain_of("llamacpp+peagle:/gone/run@q4_1+measure=quick") == "llamacpp@q4_1"
     assert plain_of("llamacpp@bf16") is None and plain_of("ar") is None and plain_of("peagle:/x") is None
 
 

@@ -74,8 +74,8 @@ def test_settings_are_measured_on_real_servers_chosen_and_cached(setup, cache):
     assert len(prompts) == 2 and all(8 <= len(p) <= 96 for p in prompts)
     asked = []
 
-    def calibration():
-        asked.append(1)
+    def calibration(n):
+        asked.append(n)
         return prompts
 
     drafter = ds.drafter_id(setup["heads"])
@@ -89,7 +89,18 @@ def test_settings_are_measured_on_real_servers_chosen_and_cached(setup, cache):
     assert (choice.settings, choice.speedup, choice.why) == choose(choice.tried)
     assert choice.target == "target.gguf" and "threads" in choice.machine
     again = ds.draft_settings(setup["model"], setup["drafts"], calibration, drafter=drafter, threads=2)
-    assert again == choice and asked == [1]  # read from the cache: no prompts asked for, nothing measured
+    assert again == choice and asked == [6]  # read from the cache: no prompts asked for, nothing measured
+    # a quick request takes the full choice cached; measured anew, it runs its grid on the Q8_0 drafter alone
+    assert ds.draft_settings(setup["model"], setup["drafts"], calibration, drafter=drafter, threads=2,
+                             measurement="quick") == choice and asked == [6]
+    quick = ds.draft_settings(setup["model"], setup["drafts"], calibration, drafter=drafter, threads=2,
+                              cache_type="f32", measurement="quick", remeasure=True, grid=GRID[:1], max_new_tokens=8,
+                              binary=setup["binary"])
+    assert asked == [6, 4] and quick.measurement == "quick"
+    assert [(t.settings.n_max, t.settings.p_min, t.settings.precision) for t in quick.tried] == [(*GRID[0], "q8_0")]
+    assert ds.cache_path(setup["model"], drafter, 2, measurement="quick").is_file()
+    with pytest.raises(ValueError, match="measurement 'slow' is not one of full, quick"):
+        ds.draft_settings(setup["model"], setup["drafts"], calibration, drafter=drafter, measurement="slow")
     # the export's README names what was measured for these heads here, with the command that serves it
     done = export(setup["heads"], "gguf", setup["root"] / "readme", target=str(setup["root"] / "target"))
     readme = (done.folder / "README.md").read_text()
@@ -100,11 +111,10 @@ def test_settings_are_measured_on_real_servers_chosen_and_cached(setup, cache):
 
 
 def test_the_bench_measures_a_drafting_row_without_settings_and_reports_the_choice(setup, cache, monkeypatch,
-                                                                                    tmp_path):
+                                                                                    tmp_path, capsys):
     from specheads.inference.cli import main as cli_main
 
-    monkeypatch.setattr(ds, "GRID", GRID[:1])
-    monkeypatch.setattr(ds, "DRAFT_PRECISIONS", ("f32",))
+    monkeypatch.setitem(ds.MEASUREMENTS, "full", ds.Measurement(GRID[:1], ("f32",)))
     monkeypatch.setenv("SPECHEADS_LLAMA_SERVER", str(setup["binary"]))
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 0, "category": "c", "turns": ["Tell me about cats."]}) + "\n")
@@ -113,6 +123,8 @@ def test_the_bench_measures_a_drafting_row_without_settings_and_reports_the_choi
     assert cli_main(["bench", "--target", str(setup["root"] / "target"), "--questions", str(questions),
                      "--max-new-tokens", "12", "--methods", rows, "--output", str(out), "--no-plots",
                      "--dtype", "float32"]) in (0, None)
+    # the minutes of measurement show progress, prompt by prompt
+    assert "llama.cpp drafting settings: 1 setting and plain, round 1 of 2, prompt 1 of 6" in capsys.readouterr().err
     settings = json.loads((out / "config.json").read_text())["llamacpp_settings"]
     assert list(settings) == [f"llamacpp+eagle3:{setup['heads']}"]
     chosen = ds.cached_choices(ds.drafter_id(setup["heads"]))
