@@ -15,7 +15,7 @@ measured, as the engine's node budget is:
    it is at least `MIN_GAIN` above plain, else the choice is to draft nothing, and the choice says why.
 
 How much is measured is a `Measurement`: "full" (the grid on F32, then BF16 and Q8_0; 6 prompts, 2 rounds) or
-"quick" (three settings on the Q8_0 drafter, 4 prompts, 1 round: about a twelfth of full's tokens, for a job with a
+"quick" (three settings on the Q8_0 drafter, 4 prompts, 1 round: a fourteenth of full's tokens, for a job with a
 budget). A choice is cached per llama.cpp release, machine, thread count, target file, drafter files and
 measurement under `$SPECHEADS_HOME/llamacpp/VERSION/draft-settings/`, measured once and read after; a quick request
 takes a full choice where one is cached. Nothing here prints.
