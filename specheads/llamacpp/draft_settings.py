@@ -202,25 +202,11 @@ def calibration_prompts(tokenizer, n: int = 6, max_tokens: int = MAX_PROMPT_TOKE
     """`n` first user turns of bundled ShareGPT conversations past `CALIBRATION_SKIP` (none of those reserved for
     evaluation), rendered with the target's chat template, each at most `max_tokens` tokens: what a chat
     engine's drafter is asked about, read by no recipe's default slice and by no bench."""
-    from specheads.conversations import (
-        JsonListStream,
-        is_held_out,
-        normalize_messages,
-        opening_prompt,
-        record_messages,
-        sharegpt_path,
-    )
+    from specheads.conversations import is_held_out, sharegpt_openings
 
     prompts: list[list[int]] = []
-    for index, record in enumerate(JsonListStream(sharegpt_path())):
-        if index < CALIBRATION_SKIP:
-            continue
-        try:
-            messages = normalize_messages(record_messages(record) or [])
-        except ValueError:
-            continue
-        text = opening_prompt(messages or [])
-        if not text or is_held_out(text):
+    for index, text in sharegpt_openings():
+        if index < CALIBRATION_SKIP or is_held_out(text):
             continue
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=False)
