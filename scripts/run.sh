@@ -102,8 +102,9 @@ if [[ "$machine" == fp32 ]]; then
 fi
 if [[ "$machine" != gpu ]]; then
     # AdamW with cosine decay on a CPU, not the recipe's Muon: the job's budget is minutes, and a Muon step costs
-    # about 25% more of them on a 2-core CPU without native bf16 (726-750 s for 300 steps against 572-611 s); its
-    # +1.7% in τ is at equal steps (docs/results.md, "our P-EAGLE recipe with Muon against speculators' trainer")
+    # about 25% more of them on a 2-core CPU without native bf16. Its +1.7% in τ is at equal steps; in the main job's
+    # 9 minutes (20-30% fewer steps) held-out τ was the same, 1.477 against 1.475 over three seeds each, and the
+    # first guess a little lower (docs/results.md, "our P-EAGLE recipe with Muon against speculators' trainer")
     budget+=(optim.optimizer=adamw optim.schedule=cosine)
 fi
 .venv/bin/python -m specheads.train configs/peagle-smollm2-cpu.yaml "output_dir=$run/peagle" max_steps=300 \

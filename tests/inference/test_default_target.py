@@ -15,10 +15,9 @@ from specheads.questions import Question
 
 pytestmark = pytest.mark.slow
 
-# Three MT-bench-style first turns (MT-bench's question file is not part of the repository).
+# Two MT-bench-style first turns (MT-bench's question file is not part of the repository): a reasoning and a coding
+# one. A third, writing, prompt added half a minute to each test and no case.
 PROMPTS = [
-    Question(81, "writing", ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
-                             "cultural experiences and must-see attractions.",)),
     Question(101, "reasoning", ("Imagine you are participating in a race with a group of people. If you have just "
                                 "overtaken the second person, what's your current position? Where is the person you "
                                 "just overtook?",)),
@@ -70,7 +69,7 @@ def test_every_method_on_llamacpps_kernels_reproduces_its_plain_greedy(default_t
     proposers = {"ngram": NgramProposer(), "suffix": SuffixProposer(),
                  "early-exit:8": DraftModelProposer(early_exit_model(model, 8), DraftConfig(depth=3, width=2))}
     drafted = 0
-    for q in PROMPTS[1:]:  # the reasoning and the coding prompt: the writing one adds time, not cases
+    for q in PROMPTS:
         prompt = render_chat(tokenizer, [q.turns[0]])
         plain = Engine(model, AutoregressiveProposer(), backend=llamacpp_backend("default", "f32")).generate(
             prompt, max_new_tokens=MAX_NEW, stop_token_ids=stops)
